@@ -1,0 +1,93 @@
+"""Parameter counts and model FLOPs, from the real parameter shapes (`jax.eval_shape`).
+
+Active parameters follow the report's convention (k3_techniques.md §1): the LM head counts, the
+input embedding does not, and each MoE layer activates top-k of its routed experts.
+"""
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from k3jax import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCount:
+  total: int
+  active: int
+  embedding: int
+  routed_experts: int
+  mtp: int
+
+
+def abstract_model(model_cfg: ml_collections.ConfigDict, model_cls=None):
+  """The model with ShapeDtypeStruct parameters: nothing is allocated."""
+  from k3jax.model import K3ForCausalLM
+  cls = model_cls or K3ForCausalLM
+  return nnx.eval_shape(lambda: cls(model_cfg, rngs=nnx.Rngs(0)))
+
+
+def count_params(model_cfg: ml_collections.ConfigDict) -> ParamCount:
+  """Total and active parameter counts of the text model (MTP reported separately)."""
+  model = abstract_model(model_cfg)
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  total = embedding = routed = mtp = 0
+  for path, var in flat:
+    n = 1
+    for s in var.shape:
+      n *= s
+    keys = [str(p) for p in path]
+    if keys[0] == "mtp":
+      mtp += n
+      continue
+    total += n
+    if keys[0] == "embed_tokens":
+      embedding += n
+    if "experts" in keys:
+      routed += n
+  e = model_cfg.moe
+  active_routed = routed * e.num_experts_per_tok // e.num_experts if e.num_experts else 0
+  active = total - embedding - routed + active_routed
+  return ParamCount(total=total, active=active, embedding=embedding, routed_experts=routed, mtp=mtp)
+
+
+def attention_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int) -> float:
+  """Forward FLOPs per token of the token mixers beyond their projections.
+
+  MLA (causal): 2 * H * (dn + dr + dv) * T / 2. KDA (Kimi Linear Eq. 13, chunk C = 64):
+  (6 d^2 + 3 C d + C^2) per head per token minus the projections already counted.
+  """
+  kinds = config_lib.layer_types(model_cfg)
+  a, k = model_cfg.mla, model_cfg.kda
+  mla = 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * seq_len / 2
+  c, d = 64, k.head_dim
+  kda = k.num_heads * (6 * d * d + 3 * c * d + c * c)
+  return kinds.count("mla") * mla + kinds.count("kda") * kda
+
+
+def train_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int) -> float:
+  """6 * active params + 3 * attention forward FLOPs, per trained token."""
+  return 6 * count_params(model_cfg).active + 3 * attention_flops_per_token(model_cfg, seq_len)
+
+
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,
+              "TPU v5 lite": 197e12, "TPU v6 lite": 918e12, "TPU v4": 275e12}
+
+
+def peak_flops_per_device() -> tuple[float, str]:
+  """(peak FLOP/s, source): a spec-sheet dense bf16 figure, or a measured matmul on CPU."""
+  kind = jax.devices()[0].device_kind
+  for name, peak in _PEAK_BF16.items():
+    if name in kind:
+      return peak, f"{kind} spec"
+  x = jnp.ones((1024, 1024), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(x).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(10):
+    y = f(x)
+  y.block_until_ready()
+  return 10 * 2 * 1024 ** 3 / (time.perf_counter() - t0), f"{kind} measured fp32 matmul"

@@ -1,0 +1,148 @@
+"""The KDA layer: Kimi Delta Attention (report §2.1; Kimi Linear arXiv 2510.26692 §4).
+
+q, k = L2Norm(SiLU(ShortConv(x W_{q,k}))), v = SiLU(ShortConv(x W_v)); a low-rank per-channel
+forget gate (K3 lower-bounded form g = lb * sigmoid(e^A (f + dt_bias)), or the Kimi Linear form
+g = -e^A softplus(f + dt_bias)); beta = sigmoid(x W_b); the delta-rule recurrence from
+`pallas_kernels.kda`; output W_o[sigmoid(x W_g) * RMSNorm_head(o)].
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import params
+from k3jax.norms import rms_norm
+from pallas_kernels import kda as kda_ops
+
+
+def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = None,
+               cache: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Causal depthwise conv, y[t] = sum_w x[t-W+1+w] kernel[w], restarted at document starts.
+
+  x: [B, T, C]; kernel: [W, C]; segment_ids: [B, T] (taps never cross a change of id);
+  cache: [B, W-1, C], the inputs before x (decode). Returns (y [B, T, C], new cache).
+  """
+  width = kernel.shape[0]
+  b, t, c = x.shape
+  if cache is None:
+    cache = jnp.zeros((b, width - 1, c), x.dtype)
+  xp = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+  if segment_ids is not None:
+    seg = jnp.concatenate([jnp.broadcast_to(segment_ids[:, :1], (b, width - 1)), segment_ids], 1)
+  y = jnp.zeros((b, t, c), jnp.float32)
+  for w in range(width):
+    lag = width - 1 - w
+    tap = xp[:, w:w + t].astype(jnp.float32) * kernel[w].astype(jnp.float32)
+    if segment_ids is not None and lag:
+      tap = jnp.where((seg[:, w:w + t] == segment_ids)[..., None], tap, 0.0)
+    y = y + tap
+  return y.astype(x.dtype), xp[:, t:]
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """x / sqrt(sum x^2 + eps) over the last axis (fla `l2norm`)."""
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def forget_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, kind: str,
+                lower_bound: float) -> jax.Array:
+  """Log-decay g [B, T, H, K] in fp32 from the low-rank logits f [B, T, H, K].
+
+  lower_bound (K3): g = lb * sigmoid(e^A (f + dt_bias)) in (lb, 0).
+  softplus (Kimi Linear): g = -e^A * softplus(f + dt_bias), unbounded below.
+  """
+  z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+  a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+  if kind == "lower_bound":
+    return lower_bound * jax.nn.sigmoid(a * z)
+  return -a * jax.nn.softplus(z)
+
+
+def _dt_bias_init(key, shape, dtype):
+  """dt = exp(U(log 1e-3, log 0.1)) clamped >= 1e-4; dt_bias = softplus^-1(dt) (Mamba-2)."""
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.maximum(jnp.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)), 1e-4)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class KDA(nnx.Module):
+  """A KDA token mixer; parameter paths follow the HF checkpoint (k3_hf_names.md)."""
+
+  def __init__(self, dim: int, *, num_heads: int, head_dim: int, conv_size: int, gate: str,
+               gate_lower_bound: float, use_full_rank_gate: bool, eps: float,
+               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, impl: str = ""):
+    h, d_h = num_heads, head_dim
+    self.num_heads, self.head_dim, self.eps = h, d_h, eps
+    self.gate_kind, self.lower_bound, self.dtype, self.impl = gate, gate_lower_bound, dtype, impl
+    lin = params.fan_in_init((0,))
+    proj = lambda shape, axes, init=lin: nnx.Dict(kernel=params.param(rngs, init, shape, axes, param_dtype))
+    self.q_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
+    self.k_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
+    self.v_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
+    conv_init = params.fan_in_init((0,))
+    self.q_conv1d = proj((conv_size, h * d_h), ("conv", "heads_kv"), conv_init)
+    self.k_conv1d = proj((conv_size, h * d_h), ("conv", "heads_kv"), conv_init)
+    self.v_conv1d = proj((conv_size, h * d_h), ("conv", "heads_kv"), conv_init)
+    if gate == "lower_bound":
+      a_init = params.zeros_init  # report §2.1: A_h = 0 for the bounded gate
+    else:
+      a_init = lambda key, shape, dt: jnp.log(jax.random.uniform(key, shape, dt, 1.0, 16.0))
+    self.A_log = params.param(rngs, a_init, (h,), ("heads",))
+    self.dt_bias = params.param(rngs, _dt_bias_init, (h * d_h,), ("heads_kv",))
+    self.f_a_proj = proj((dim, d_h), ("embed", "kv"))
+    self.f_b_proj = proj((d_h, h, d_h), ("kv", "heads", "kv"))
+    self.b_proj = proj((dim, h), ("embed", "heads"))
+    if use_full_rank_gate:
+      self.g_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
+    else:
+      self.g_a_proj = proj((dim, d_h), ("embed", "kv"))
+      self.g_b_proj = proj((d_h, h, d_h), ("kv", "heads", "kv"))
+    self.use_full_rank_gate = use_full_rank_gate
+    self.o_norm = nnx.Dict(scale=params.param(rngs, params.ones_init, (d_h,), ("kv",)))
+    self.o_proj = proj((h, d_h, dim), ("heads", "kv", "embed"), params.fan_in_init((0, 1)))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+    """x: [B, T, d] -> ([B, T, d], new cache or None).
+
+    cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv_q"/"conv_k"/"conv_v":
+    [B, W-1, H*K]}; pass one to receive the updated one.
+    """
+    b, t, _ = x.shape
+    h, d_h, dt = self.num_heads, self.head_dim, self.dtype
+    x = x.astype(dt)
+    w = lambda p: p["kernel"][...].astype(dt)
+
+    def qkv(proj, conv, name):
+      y = jnp.einsum("btd,dhk->bthk", x, w(proj)).reshape(b, t, h * d_h)
+      y, new = short_conv(y, w(conv), segment_ids, None if cache is None else cache[name])
+      return jax.nn.silu(y).reshape(b, t, h, d_h), new
+
+    q, cq = qkv(self.q_proj, self.q_conv1d, "conv_q")
+    k, ck = qkv(self.k_proj, self.k_conv1d, "conv_k")
+    v, cv = qkv(self.v_proj, self.v_conv1d, "conv_v")
+    q, k = l2_normalize(q), l2_normalize(k)
+    f = jnp.einsum("btr,rhk->bthk", x @ w(self.f_a_proj), w(self.f_b_proj))
+    g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, d_h), self.gate_kind,
+                    self.lower_bound)
+    beta = jax.nn.sigmoid((x @ w(self.b_proj)).astype(jnp.float32))
+    o, state = kda_ops.chunk_kda(
+        q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
+        output_final_state=cache is not None, segment_ids=segment_ids, impl=self.impl or None)
+    if self.use_full_rank_gate:
+      z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
+    else:
+      z = jnp.einsum("btr,rhk->bthk", x @ w(self.g_a_proj), w(self.g_b_proj))
+    o = rms_norm(o.astype(jnp.float32), self.o_norm["scale"][...], self.eps)
+    o = (o * jax.nn.sigmoid(z.astype(jnp.float32))).astype(dt)
+    y = jnp.einsum("bthk,hkd->btd", o, w(self.o_proj))
+    new_cache = None if cache is None else {"state": state, "conv_q": cq, "conv_k": ck, "conv_v": cv}
+    return y, new_cache
+
+  def init_cache(self, batch: int) -> dict:
+    c = self.q_conv1d["kernel"].shape
+    conv = jnp.zeros((batch, c[0] - 1, c[1]), self.dtype)
+    return {"state": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32),
+            "conv_q": conv, "conv_k": conv, "conv_v": conv}

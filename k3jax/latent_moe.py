@@ -1,0 +1,224 @@
+"""Stable LatentMoE (report §2.3, Eq. 11-12; k3_techniques.md §4).
+
+  s = sigmoid(x W_r)                       fp32, on the full-width x
+  T = argtop_k(s + b);  p_j = s_j / sum_{r in T} s_r * routed_scaling_factor
+  z = x W_down                             d -> l
+  u = sum_{j in T} p_j * W2_j[SiTU(W1_j z, W3_j z)]
+  y = Shared(x) + RMSNorm(u) W_up          l -> d
+
+The bias b (`e_score_correction_bias`) only selects experts, never weights them, and is set by
+Quantile Balancing (`k3jax.quantile_balancing`) after each optimizer step. Dispatch is dropless:
+token copies are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`).
+"""
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import k3jax  # noqa: F401  (turns off eager sharding before parameters are created)
+from k3jax import norms, params
+from k3jax import quantile_balancing as qb
+from k3jax import situ as situ_lib
+
+RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
+
+
+class MoEBias(nnx.Variable):
+  """The router's selection bias [E] (fp32). Not an `nnx.Param`: optimizers never see it."""
+
+
+def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
+          routed_scaling_factor: float, norm_topk_prob: bool
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Sigmoid top-k router with a selection-only bias (Eq. 13).
+
+  x [N, d], router_kernel [d, E], bias [E] -> (weights [N, k] fp32, experts [N, k] int32,
+  scores [N, E] fp32). Weights come from the unbiased scores, renormalised over the selected
+  experts (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`.
+  """
+  if x.ndim != 2 or router_kernel.ndim != 2 or x.shape[1] != router_kernel.shape[0]:
+    raise ValueError(f"x must be [N, d] and router_kernel [d, E], got {x.shape} and "
+                     f"{router_kernel.shape}")
+  num_experts = router_kernel.shape[1]
+  if bias.shape != (num_experts,):
+    raise ValueError(f"bias must have shape ({num_experts},), got {bias.shape}")
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+  logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  scores = jax.nn.sigmoid(logits)
+  sel = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
+  _, experts = jax.lax.top_k(sel, top_k)
+  weights = jnp.take_along_axis(scores, experts, axis=1)
+  if norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
+  return weights * routed_scaling_factor, experts.astype(jnp.int32), scores
+
+
+def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
+                   w3: jax.Array, w2: jax.Array, beta1: float, beta2: float,
+                   ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
+  """Dropless routed SiTU-GLU experts: u = sum_j p_j * W2_j[SiTU(W1_j z, W3_j z)] (Eq. 11).
+
+  z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
+  The N*k token copies are stably sorted by expert, gathered, and run through grouped
+  matmuls; `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be
+  replaced by a grouped-matmul kernel. The routing weight is applied after W2 (late routing
+  weights); copies are un-permuted and summed over k in fp32 (no capacity, no drop).
+  """
+  n_tok, lat = z.shape
+  num_experts = w1.shape[0]
+  if weights.shape != experts.shape or weights.shape[0] != n_tok:
+    raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be "
+                     f"[N, k] with N = {n_tok}")
+  if (w1.shape[:2] != (num_experts, lat) or w3.shape != w1.shape
+      or w2.shape != (num_experts, w1.shape[2], lat)):
+    raise ValueError(f"expected w1, w3 [E, {lat}, m] and w2 [E, m, {lat}], got {w1.shape}, "
+                     f"{w3.shape}, {w2.shape}")
+  top_k = experts.shape[1]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  xs = z[order // top_k]
+  h = situ_lib.situ(ragged_dot(xs, w1, group_sizes), ragged_dot(xs, w3, group_sizes),
+                    beta1, beta2)
+  out = ragged_dot(h, w2, group_sizes).astype(jnp.float32)
+  out = out * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+  return jnp.sum(out[inverse].reshape(n_tok, top_k, lat), axis=1).astype(z.dtype)
+
+
+def update_bias(bias: jax.Array, aux: dict[str, jax.Array], *, method: str, top_k: int,
+                rate: float = 0.0) -> jax.Array:
+  """The bias for the next step from one step's (merged) `aux` (report §2.3.3).
+
+  method: "quantile" (histogram estimator, App. D), "quantile_exact" (sort-based rule; needs
+  aux["scores"], i.e. `LatentMoE(..., qb_keep_scores=True)`), "sign" (DeepSeek-V3 rule with
+  step `rate`), or "none" (bias unchanged).
+  """
+  if method == "quantile":
+    new = qb.histogram_update(aux["qb_counts"], aux["qb_lo"], aux["qb_hi"],
+                              aux["num_tokens"], top_k)
+  elif method == "quantile_exact":
+    if "scores" not in aux:
+      raise ValueError("method='quantile_exact' needs aux['scores']; build LatentMoE with "
+                       "qb_keep_scores=True")
+    new = qb.exact_update(aux["scores"], bias, top_k)
+  elif method == "sign":
+    new = qb.sign_update(aux["loads"], bias, rate)
+  elif method == "none":
+    new = bias
+  else:
+    raise ValueError(f"method must be one of {BIAS_METHODS}, got {method!r}")
+  return new.astype(bias.dtype)
+
+
+def merge_aux(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Combines the aux of two micro-batches (or shards) routed with the same bias.
+
+  Counts add; `qb_lo`/`qb_hi` depend only on the bias and are taken from `a`; `scores` (if
+  kept) are concatenated along tokens.
+  """
+  out = {key: a[key] + b[key] for key in ("loads", "qb_counts", "num_tokens")}
+  out["qb_lo"], out["qb_hi"] = a["qb_lo"], a["qb_hi"]
+  if "scores" in a:
+    out["scores"] = jnp.concatenate([a["scores"], b["scores"]], axis=0)
+  return out
+
+
+class LatentMoE(nnx.Module):
+  """Stable LatentMoE block (HF: `block_sparse_moe`).
+
+  latent_size == 0 or == dim gives a plain DeepSeek-style MoE (as in Kimi Linear 48B): the
+  routed experts act on x directly, with no down/up projection and no routed RMSNorm, and
+  their d-sized axis is named "embed" instead of "latent".
+  The shared experts are one SiTU-GLU MLP of width n_shared_experts * moe_intermediate_size.
+  """
+
+  def __init__(self, dim: int, *, num_experts: int, top_k: int, n_shared_experts: int,
+               moe_intermediate_size: int, latent_size: int,
+               routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True,
+               beta1: float = 4.0, beta2: float = 25.0, rms_norm_eps: float = 1e-5,
+               qb_num_bins: int = 1000, qb_keep_scores: bool = False,
+               ragged_dot: RaggedDot = jax.lax.ragged_dot, rngs: nnx.Rngs,
+               dtype=jnp.float32, param_dtype=jnp.float32):
+    if not 1 <= top_k < num_experts:
+      raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "
+                       f"(Quantile Balancing takes top-(k+1)), got {top_k}")
+    if latent_size < 0:
+      raise ValueError(f"latent_size must be >= 0 (0 or dim: no latent projection), "
+                       f"got {latent_size}")
+    if n_shared_experts < 0:
+      raise ValueError(f"n_shared_experts must be >= 0, got {n_shared_experts}")
+    self.num_experts, self.top_k = num_experts, top_k
+    self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
+    self.beta1, self.beta2 = beta1, beta2
+    self.qb_num_bins, self.qb_keep_scores = qb_num_bins, qb_keep_scores
+    self.ragged_dot = ragged_dot
+    self.dtype = dtype
+    self.use_latent = latent_size not in (0, dim)
+    lat = latent_size if self.use_latent else dim
+    lat_axis = "latent" if self.use_latent else "embed"
+    init0 = params.fan_in_init((0,))
+    init1 = params.fan_in_init((1,))
+
+    self.gate = nnx.Dict(
+        kernel=params.param(rngs, init0, (dim, num_experts), ("embed", "exp_router"),
+                            param_dtype),
+        e_score_correction_bias=MoEBias(jnp.zeros((num_experts,), jnp.float32),
+                                        out_sharding=("exp_router",)))
+    if self.use_latent:
+      self.routed_expert_down_proj = nnx.Dict(kernel=params.param(
+          rngs, init0, (dim, lat), ("embed", "latent"), param_dtype))
+    self.experts = nnx.Dict(
+        w1=params.param(rngs, init1, (num_experts, lat, moe_intermediate_size),
+                        ("exp", lat_axis, "mlp_moe"), param_dtype),
+        w3=params.param(rngs, init1, (num_experts, lat, moe_intermediate_size),
+                        ("exp", lat_axis, "mlp_moe"), param_dtype),
+        w2=params.param(rngs, init1, (num_experts, moe_intermediate_size, lat),
+                        ("exp", "mlp_moe", lat_axis), param_dtype))
+    if self.use_latent:
+      self.routed_expert_norm = norms.RMSNorm(lat, rms_norm_eps, rngs=rngs, axis_name="latent")
+      self.routed_expert_up_proj = nnx.Dict(kernel=params.param(
+          rngs, init0, (lat, dim), ("latent", "embed"), param_dtype))
+    if n_shared_experts > 0:
+      self.shared_experts = situ_lib.SiTUGLU(
+          dim, n_shared_experts * moe_intermediate_size, beta1=beta1, beta2=beta2,
+          rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.has_shared = n_shared_experts > 0
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B, T, d] -> (y [B, T, d], aux) with aux for the bias update and load statistics:
+    loads [E] int32, qb_counts [E, bins] int32, qb_lo, qb_hi, num_tokens (and scores [N, E]
+    when qb_keep_scores)."""
+    bsz, seq, dim = x.shape
+    xf = x.reshape(bsz * seq, dim)
+    bias = self.gate["e_score_correction_bias"][...]
+    weights, experts, scores = route(
+        xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
+        self.norm_topk_prob)
+    h = xf.astype(self.dtype)
+    if self.use_latent:
+      h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
+    u = routed_experts(
+        h, weights, experts, self.experts["w1"][...].astype(self.dtype),
+        self.experts["w3"][...].astype(self.dtype), self.experts["w2"][...].astype(self.dtype),
+        self.beta1, self.beta2, self.ragged_dot)
+    if self.use_latent:
+      u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
+          self.dtype)
+    if self.has_shared:
+      u = u + self.shared_experts(xf)
+    y = u.reshape(bsz, seq, dim)
+
+    s = jax.lax.stop_gradient(scores)
+    counts, lo, hi = qb.histogram_counts(s, bias, self.top_k, self.qb_num_bins)
+    aux = dict(loads=jnp.bincount(experts.reshape(-1), length=self.num_experts).astype(
+                   jnp.int32),
+               qb_counts=counts, qb_lo=lo, qb_hi=hi,
+               num_tokens=jnp.asarray(bsz * seq, jnp.int32))
+    if self.qb_keep_scores:
+      aux["scores"] = s
+    return y, aux

@@ -1,0 +1,120 @@
+"""Gated Multi-head Latent Attention with NoPE (report §2.1; k3_hf_names.md "Gated MLA layer").
+
+q = W_qb RMSNorm(W_qa x) per head [nope | rope]; [c | k_rope] = W_kva x; [k_nope | v] = W_kvb
+RMSNorm(c); k = [k_nope | k_rope] with the 64 "rope" channels never rotated; causal softmax at
+scale (dn + dr)^-1/2; output W_o[sigmoid(W_g x) * o]. Training and prefill expand K/V per head;
+decoding uses the absorbed form over the 576-value latent cache [RMSNorm(c) | k_rope].
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import params
+from k3jax.norms import rms_norm
+
+
+def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positions: jax.Array,
+                   kv_positions: jax.Array) -> jax.Array:
+  """[B, 1, Tq, Tk] bool: causal within the same document (segment id 0 is padding)."""
+  same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  causal = q_positions[:, :, None] >= kv_positions[:, None, :]
+  return (same & causal)[:, None]
+
+
+def mla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                  scale: float) -> tuple[jax.Array, jax.Array]:
+  """Softmax attention in fp32. q, k: [B, T, H, Dk]; v: [B, S, H, Dv]; mask [B, 1, T, S].
+
+  Returns (o [B, T, H, Dv] fp32, per-head max logit [H] for QK-Clip).
+  """
+  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+  neg = jnp.finfo(jnp.float32).min
+  s = jnp.where(mask, s, neg)
+  max_logit = jnp.max(jnp.where(mask, s, neg), axis=(0, 2, 3))
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where(mask, p, 0.0)
+  o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
+  return o, max_logit
+
+
+class GatedMLA(nnx.Module):
+  """A gated MLA token mixer; parameter paths follow the HF checkpoint."""
+
+  def __init__(self, dim: int, *, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+               use_output_gate: bool, lora_norm_eps: float, rngs: nnx.Rngs,
+               dtype=jnp.float32, param_dtype=jnp.float32):
+    h, dn, dr, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    self.num_heads, self.dn, self.dr, self.dv, self.kr = h, dn, dr, dv, kv_lora_rank
+    self.eps, self.dtype, self.q_lora_rank = lora_norm_eps, dtype, q_lora_rank
+    self.scale = (dn + dr) ** -0.5
+    lin = params.fan_in_init((0,))
+    proj = lambda shape, axes, init=lin: nnx.Dict(kernel=params.param(rngs, init, shape, axes, param_dtype))
+    scale = lambda n, ax: nnx.Dict(scale=params.param(rngs, params.ones_init, (n,), (ax,)))
+    if q_lora_rank:
+      self.q_a_proj = proj((dim, q_lora_rank), ("embed", "q_lora"))
+      self.q_a_layernorm = scale(q_lora_rank, "q_lora")
+      self.q_b_proj = proj((q_lora_rank, h, dn + dr), ("q_lora", "heads", "kv"))
+    else:
+      self.q_proj = proj((dim, h, dn + dr), ("embed", "heads", "kv"))
+    self.kv_a_proj_with_mqa = proj((dim, kv_lora_rank + dr), ("embed", "kv_lora"))
+    self.kv_a_layernorm = scale(kv_lora_rank, "kv_lora")
+    self.kv_b_proj = proj((kv_lora_rank, h, dn + dv), ("kv_lora", "heads", "kv"))
+    self.use_output_gate = use_output_gate
+    if use_output_gate:
+      self.g_proj = proj((dim, h, dv), ("embed", "heads", "kv"))
+    self.o_proj = proj((h, dv, dim), ("heads", "kv", "embed"), params.fan_in_init((0, 1)))
+
+  def _query(self, x):
+    w = lambda p: p["kernel"][...].astype(self.dtype)
+    if self.q_lora_rank:
+      qa = rms_norm(x @ w(self.q_a_proj), self.q_a_layernorm["scale"][...], self.eps)
+      return jnp.einsum("btr,rhk->bthk", qa, w(self.q_b_proj))
+    return jnp.einsum("btd,dhk->bthk", x, w(self.q_proj))
+
+  def latent(self, x: jax.Array) -> jax.Array:
+    """The per-token cache entry [B, T, kr + dr] = [RMSNorm(c_kv) | k_rope] (576 for K3)."""
+    kv_a = x.astype(self.dtype) @ self.kv_a_proj_with_mqa["kernel"][...].astype(self.dtype)
+    c = rms_norm(kv_a[..., :self.kr], self.kv_a_layernorm["scale"][...], self.eps)
+    return jnp.concatenate([c, kv_a[..., self.kr:]], axis=-1)
+
+  def _output(self, x, o):
+    w = lambda p: p["kernel"][...].astype(self.dtype)
+    if self.use_output_gate:
+      z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
+      o = o * jax.nn.sigmoid(z.astype(jnp.float32))
+    return jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), w(self.o_proj))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array, positions: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, d] -> (y [B, T, d], per-head max logit [H]); K/V expanded per head."""
+    x = x.astype(self.dtype)
+    q = self._query(x)
+    lat = self.latent(x)
+    kv = jnp.einsum("btr,rhk->bthk", lat[..., :self.kr],
+                    self.kv_b_proj["kernel"][...].astype(self.dtype))
+    k_rope = jnp.broadcast_to(lat[:, :, None, self.kr:], kv.shape[:3] + (self.dr,))
+    k = jnp.concatenate([kv[..., :self.dn], k_rope], axis=-1)
+    mask = attention_mask(segment_ids, segment_ids, positions, positions)
+    o, max_logit = mla_attention(q, k, kv[..., self.dn:], mask, self.scale)
+    return self._output(x, o), max_logit
+
+  def decode(self, x: jax.Array, cache: jax.Array, cache_mask: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA over the latent cache (MQA with 576-dim keys, 512-dim values).
+
+    x: [B, T, d] new tokens; cache: [B, S, kr+dr] latents of the S visible past tokens
+    (including the new ones, already written); cache_mask: [B, 1, T, S] bool.
+    score_h = (W_UK,h^T q_nope,h) . c + q_rope,h . k_rope;  o_h = W_UV,h (sum_s p_s c_s).
+    """
+    x = x.astype(self.dtype)
+    q = self._query(x).astype(jnp.float32)
+    wkv = self.kv_b_proj["kernel"][...].astype(jnp.float32)  # [kr, H, dn+dv]
+    q_abs = jnp.einsum("bthn,rhn->bthr", q[..., :self.dn], wkv[..., :self.dn])
+    q_cat = jnp.concatenate([q_abs, q[..., self.dn:]], axis=-1)
+    s = jnp.einsum("bthc,bsc->bhts", q_cat, cache.astype(jnp.float32)) * self.scale
+    s = jnp.where(cache_mask, s, jnp.finfo(jnp.float32).min)
+    p = jnp.where(cache_mask, jax.nn.softmax(s, axis=-1), 0.0)
+    o_lat = jnp.einsum("bhts,bsr->bthr", p, cache[..., :self.kr].astype(jnp.float32))
+    o = jnp.einsum("bthr,rhv->bthv", o_lat, wkv[..., self.dn:])
+    return self._output(x, o)

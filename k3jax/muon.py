@@ -1,0 +1,411 @@
+"""Per-Head Muon with Moonlight scaling, and QK-Clip (MuonClip).
+
+Optimizer of K3 ([TR] §2.5, §3.3; k3_techniques.md §6):
+
+- Muon (Jordan 2024): Nesterov momentum 0.95, then five Newton-Schulz steps
+  (3.4445, -4.7750, 2.0315) orthogonalise each matrix block O = NS5(M).
+- Moonlight (arXiv 2502.16982): W <- W - lr (0.2 sqrt(max(A, B)) O + wd W), with
+  A x B the dims of the orthogonalised block, so AdamW's lr and weight decay
+  transfer. `optax.contrib.muon(consistent_rms=0.2)` takes A and B as the
+  products of the reduction and output axes only (`_get_shape_products`);
+  batch axes (heads, experts) do not enter, so the factor is per block (tested).
+- Per-Head Muon ([TR] §2.5): Q/K/V projections [r, H, x] are orthogonalised per
+  head (the head axis is a Muon batch axis), so a head with small gradients gets
+  the same update RMS as the others. Experts [E, a, b] are always per expert.
+- Embedding, LM head, norm gains, KDA A_log/dt_bias, short-conv filters and
+  AttnRes pseudo-queries stay on AdamW; weight decay only on AdamW matrices.
+- QK-Clip (K2, arXiv 2507.20534): after the optimizer step, MLA heads whose
+  max logit S_max exceeded tau are rescaled by gamma = tau / S_max.
+
+Newton-Schulz and the scaling are `optax.contrib.muon`'s; this module only
+decides which axes form a block (`RULES`) and assembles the optax transforms.
+
+Rules match unstacked parameters; a scanned stack of layers adds a leading axis
+and would need its own rows (`format_table` shows where every leaf went).
+
+Sharding. All decisions use paths and static shapes, so the transform traces
+under `jit` with sharded params and never syncs with the host. Moment states
+are `zeros_like(params)`: `tx.init` called outside `jit` on sharded arrays
+returns states with the params' shardings; a jitted `tx.init` without
+`out_shardings` puts them on one device, so pass `out_shardings` (from
+`jax.eval_shape(tx.init, params)` and the params' shardings). Updates come out
+sharded like the params. Inside NS, optax moves the batch axes (heads, experts)
+to the front and vmaps over them:
+- a head or expert axis sharded over a mesh axis: each device orthogonalises its
+  own heads/experts; the Frobenius norm and the X X^T products are per block, so
+  the compiled update has no collective (tested on 4 host devices).
+- a reduction or output axis of the block sharded (FSDP on d, or H sharded when
+  heads are merged into a block: `mode="whole"`, o_proj [H, D, d], gates): the
+  norm and X X^T contract over the sharded axis, so XLA (Auto mesh axes, as in
+  `k3jax.sharding.make_mesh`) inserts all-reduces in every NS step. With
+  Explicit mesh axes the same matmul is a ShardingTypeError: reshard the block
+  first.
+Hence shard Q/K/V [d, H, D] over H and experts over E; a mesh axis that splits
+the reduction or output dim costs collectives in NS for every matrix it splits.
+"""
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+DimNums = MuonDimensionNumbers
+
+MUON_PER_HEAD = "muon_per_head"
+MUON_PER_EXPERT = "muon_per_expert"
+MUON_WHOLE = "muon_whole"
+ADAMW = "adamw"
+ADAMW_NO_DECAY = "adamw_no_decay"
+FROZEN = "frozen"
+
+MODES = ("per_head", "whole")
+MOONLIGHT_RMS = 0.2  # Moonlight: 0.2 sqrt(max(A, B)) matches AdamW's update RMS.
+
+# Optax partition label of each treatment.
+_LABEL = {MUON_PER_HEAD: "muon", MUON_PER_EXPERT: "muon", MUON_WHOLE: "muon",
+          ADAMW: "adamw", ADAMW_NO_DECAY: "adamw", FROZEN: "frozen"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One row of the treatment table.
+
+  Attributes:
+    pattern: regex searched in the dotted parameter path.
+    ranks: ranks the row applies to (None: any rank).
+    treatment: one of the treatment constants above.
+    dims: Muon block axes (None for AdamW / frozen).
+    reason: why, printed by `format_table`.
+  """
+  pattern: str
+  ranks: tuple[int, ...] | None
+  treatment: str
+  dims: DimNums | None
+  reason: str
+
+
+_B = r"(?:^|\.)"  # start of a path component
+
+# First matching row wins (pattern searched in the path, and rank matches).
+RULES: tuple[Rule, ...] = (
+    Rule(_B + r"e_score_correction_bias$", None, FROZEN, None,
+         "router bias: set by Quantile Balancing outside the optimizer"),
+    Rule(_B + r"embed_tokens\.embedding$", (2,), ADAMW, None,
+         "embedding stays AdamW (Moonlight)"),
+    Rule(_B + r"lm_head\.kernel$", (2,), ADAMW, None,
+         "LM head stays AdamW (Moonlight)"),
+    Rule(r"\.scale$", None, ADAMW_NO_DECAY, None, "norm gain, no decay"),
+    Rule(r"_res_proj\.kernel$", (1,), ADAMW_NO_DECAY, None,
+         "AttnRes pseudo-query vector, no decay"),
+    Rule(_B + r"(?:A_log|dt_bias)$", (1,), ADAMW_NO_DECAY, None,
+         "KDA decay parameters, no decay"),
+    Rule(r"_conv1d\.kernel$", (2,), ADAMW, None,
+         "depthwise short-conv filter [W, C], not a matmul"),
+    Rule(_B + r"(?:q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)\.kernel$", (3,),
+         MUON_PER_HEAD, DimNums(0, 2),
+         "Per-Head Muon on Q/K/V [r, H, x] ([TR] 2.5): heads are batch axes"),
+    Rule(_B + r"experts\.w[123]$", (3,), MUON_PER_EXPERT, DimNums(1, 2),
+         "each expert [E, in, out] is its own matrix"),
+    Rule(_B + r"(?:g_proj|g_b_proj|f_b_proj)\.kernel$", (3,), MUON_WHOLE,
+         DimNums(0, (1, 2)), "gate [r, H, D]: one [r, H*D] matrix"),
+    Rule(_B + r"o_proj\.kernel$", (3,), MUON_WHOLE, DimNums((0, 1), 2),
+         "output projection [H, D, d]: one [H*D, d] matrix"),
+    Rule(_B + r"gate\.kernel$", (2,), MUON_WHOLE, DimNums(0, 1),
+         "MoE router [d, E]: a hidden matrix, Muon as in Moonlight"),
+    Rule(r"", (2,), MUON_WHOLE, DimNums(0, 1), "2-D hidden matrix"),
+    Rule(r"", (0, 1), ADAMW_NO_DECAY, None, "vector or scalar, no decay"),
+    Rule(r"", None, ADAMW, None, "no rule for this rank: AdamW"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Treatment:
+  """The resolved treatment of one parameter."""
+  rule: Rule
+  treatment: str
+  dims: DimNums | None
+
+
+def _check_mode(mode: str) -> None:
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+  """Dotted path of a `jax.tree_util` key path; drops nnx's trailing `.value`."""
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
+      path[-1].name == "value"):
+    path = path[:-1]
+  return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+
+
+def resolve(path: str, shape: tuple[int, ...], mode: str = "per_head"
+            ) -> Treatment:
+  """Treatment of the parameter at dotted `path` with `shape` (first row wins)."""
+  _check_mode(mode)
+  for rule in RULES:
+    if rule.ranks is not None and len(shape) not in rule.ranks:
+      continue
+    if re.search(rule.pattern, path):
+      if mode == "whole" and rule.treatment == MUON_PER_HEAD:
+        red = rule.dims.reduction_axis
+        red_axes = (red,) if isinstance(red, int) else tuple(red)
+        out = tuple(a for a in range(len(shape)) if a not in red_axes)
+        return Treatment(rule, MUON_WHOLE, DimNums(red, out))
+      return Treatment(rule, rule.treatment, rule.dims)
+  raise AssertionError("RULES ends with a catch-all row")
+
+
+def _resolver(mode: str, params_for_dims: Any | None
+              ) -> Callable[[tuple[Any, ...], Any], Treatment]:
+  """(key path, leaf) -> Treatment; frozen from `params_for_dims` if given."""
+  _check_mode(mode)
+  if params_for_dims is None:
+    return lambda p, x: resolve(path_str(p), tuple(x.shape), mode)
+  fixed = {path_str(p): (tuple(x.shape), resolve(path_str(p), tuple(x.shape),
+                                                  mode))
+           for p, x in jax.tree_util.tree_leaves_with_path(params_for_dims)}
+
+  def lookup(p, x):
+    key = path_str(p)
+    if key not in fixed:
+      raise ValueError(f"params_for_dims has no parameter {key!r}")
+    shape, t = fixed[key]
+    if tuple(x.shape) != shape:
+      raise ValueError(f"params_for_dims has {key!r} with shape {shape}, the "
+                       f"optimizer got {tuple(x.shape)}")
+    return t
+  return lookup
+
+
+def muon_dimension_numbers(params: Any, *, mode: str = "per_head") -> Any:
+  """Pytree like `params` of `MuonDimensionNumbers` (Muon) or None (AdamW)."""
+  _check_mode(mode)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: resolve(path_str(p), tuple(x.shape), mode).dims, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRow:
+  """Parameters that share a rule, treatment, shape and wildcard path."""
+  pattern: str
+  paths: tuple[str, ...]
+  shape: tuple[int, ...]
+  treatment: str
+  dims: DimNums | None
+  reason: str
+
+
+def _wildcard(path: str) -> tuple[str, tuple[int, ...]]:
+  parts = path.split(".")
+  idx = tuple(int(q) for q in parts if q.isdigit())
+  return ".".join("*" if q.isdigit() else q for q in parts), idx
+
+
+def table_rows(params: Any, *, mode: str = "per_head") -> list[TableRow]:
+  """Groups of parameters, one per (wildcard path, shape, treatment)."""
+  groups: dict[tuple[Any, ...], list[str]] = {}
+  for p, x in jax.tree_util.tree_leaves_with_path(params):
+    path = path_str(p)
+    t = resolve(path, tuple(x.shape), mode)
+    key = (_wildcard(path)[0], tuple(x.shape), t.treatment, t.dims,
+           t.rule.reason)
+    groups.setdefault(key, []).append(path)
+  return [TableRow(k[0], tuple(v), k[1], k[2], k[3], k[4])
+          for k, v in groups.items()]
+
+
+def _ranges(ints: list[int]) -> str:
+  out, i = [], 0
+  while i < len(ints):
+    j = i
+    while j + 1 < len(ints) and ints[j + 1] == ints[j] + 1:
+      j += 1
+    out.append(str(ints[i]) if i == j else f"{ints[i]}-{ints[j]}")
+    i = j + 1
+  return ",".join(out)
+
+
+def _fmt_dims(d: DimNums | None, shape: tuple[int, ...]) -> str:
+  """'n x [A, B] *s': n blocks of A x B, Moonlight scale s = 0.2 sqrt(max(A, B))."""
+  if d is None:
+    return "-"
+  axes = lambda a: (a,) if isinstance(a, int) else tuple(a)
+  red, out = axes(d.reduction_axis), axes(d.output_axis)
+  a = math.prod(shape[i] for i in red)
+  b = math.prod(shape[i] for i in out)
+  n = math.prod(shape) // (a * b)
+  return f"{n}x[{a},{b}] *{MOONLIGHT_RMS * math.sqrt(max(a, b)):.3g}"
+
+
+def format_table(params: Any, *, mode: str = "per_head") -> str:
+  """Treatment table, one line per `table_rows` group (print at train start).
+
+  Columns: treatment, Muon blocks "n x [A, B]" with their Moonlight factor,
+  shape, number of params, wildcard path [layer indices], reason.
+  """
+  rows = table_rows(params, mode=mode)
+  lines = [f"Muon treatment table (mode={mode}): {sum(len(r.paths) for r in rows)}"
+           f" params in {len(rows)} groups"]
+  for r in rows:
+    idx = [_wildcard(p)[1] for p in r.paths]
+    where = ""
+    if idx[0]:
+      where = (f" [{_ranges(sorted(i[0] for i in idx))}]" if len(idx[0]) == 1
+               else f" {sorted(idx)}")
+    lines.append(f"{r.treatment:15s} {_fmt_dims(r.dims, r.shape):22s} "
+                 f"{str(list(r.shape)):18s} x{len(r.paths):<4d} "
+                 f"{r.pattern}{where}  # {r.reason}")
+  return "\n".join(lines)
+
+
+def per_head_muon(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    weight_decay: float = 0.1,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    mode: str = "per_head",
+    params_for_dims: Any | None = None,
+) -> optax.GradientTransformation:
+  """Per-Head Muon + Moonlight scaling, AdamW for the rest ([TR] §2.5, §3.3).
+
+  An `optax.partition` of three branches. "muon": `optax.contrib.muon` with our
+  dimension numbers and `consistent_rms=0.2`; it sees only Muon leaves, so its
+  own AdamW branch stays empty. "adamw": `optax.adamw` (plain, not Nesterov)
+  with decay masked to matrices; `optax.contrib.muon`'s AdamW branch is not
+  used because it has no decay mask, shares NS's eps and turns Nesterov Adam on
+  with `nesterov`. "frozen": `optax.set_to_zero`. `update` needs `params`.
+
+  Args:
+    learning_rate: float or optax schedule, shared by Muon and AdamW.
+    weight_decay: decoupled decay (times lr) on Muon and AdamW matrices.
+    beta: Muon momentum.
+    nesterov: Nesterov momentum for Muon.
+    ns_steps: Newton-Schulz steps.
+    ns_coeffs: quintic Newton-Schulz coefficients (a, b, c).
+    adam_b1: AdamW beta1.
+    adam_b2: AdamW beta2.
+    adam_eps: AdamW epsilon.
+    mode: "per_head" ([TR] §2.5) or "whole" (Q/K/V heads merged; ablation).
+    params_for_dims: optional params (arrays or ShapeDtypeStructs); when given,
+      the table is resolved once from it (errors surface here) and the
+      optimizer must see exactly these paths and shapes.
+  """
+  res = _resolver(mode, params_for_dims)
+
+  def dims(tree):
+    return jax.tree_util.tree_map_with_path(lambda p, x: res(p, x).dims, tree)
+
+  def labels(tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _LABEL[res(p, x).treatment], tree)
+
+  def adam_decay_mask(tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: res(p, x).treatment == ADAMW, tree)
+
+  muon_branch = optax.contrib.muon(
+      learning_rate, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta,
+      weight_decay=weight_decay, nesterov=nesterov,
+      muon_weight_dimension_numbers=dims, consistent_rms=MOONLIGHT_RMS)
+  adam_branch = optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2,
+                            eps=adam_eps, weight_decay=weight_decay,
+                            mask=adam_decay_mask)
+  return optax.partition(
+      {"muon": muon_branch, "adamw": adam_branch,
+       "frozen": optax.set_to_zero()}, labels)
+
+
+def cosine_schedule(peak_lr: float, total_steps: int, warmup_frac: float = 0.01,
+                    final_frac: float = 0.1) -> optax.Schedule:
+  """Linear warmup over `warmup_frac` of the steps, cosine to final_frac*peak.
+
+  K3 ([TR] §3.3): cosine with 1% warmup.
+  """
+  if total_steps < 1:
+    raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+  if not 0.0 <= warmup_frac < 1.0:
+    raise ValueError(f"warmup_frac must be in [0, 1), got {warmup_frac}")
+  if not 0.0 <= final_frac <= 1.0:
+    raise ValueError(f"final_frac must be in [0, 1], got {final_frac}")
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak_lr,
+      warmup_steps=max(1, round(warmup_frac * total_steps)),
+      decay_steps=total_steps, end_value=final_frac * peak_lr)
+
+
+_QK_CLIP_TARGETS = ("q_b_proj", "q_proj", "kv_b_proj")
+
+
+def qk_clip(params: Any, max_logits: dict[str, jax.Array], *, tau: float,
+            qk_nope_head_dim: int, qk_rope_head_dim: int) -> Any:
+  """QK-Clip (MuonClip, K2 arXiv 2507.20534), applied after the update.
+
+  For each MLA layer prefix in `max_logits` ([H] max pre-softmax logit, softmax
+  scale included) and each head with S_max > tau, gamma = tau / S_max scales
+  the head's q nope columns and k nope columns (kv_b) by sqrt(gamma) and its q
+  rope columns by gamma, so every logit of that head is scaled by gamma. The
+  shared k rope (kv_a_proj_with_mqa) and the v columns are untouched.
+
+  Args:
+    params: pytree with `{prefix}.q_b_proj.kernel` (or `q_proj`) [r, H, dn+dr]
+      and `{prefix}.kv_b_proj.kernel` [kr, H, dn+dv].
+    max_logits: MLA layer path prefix (e.g. "layers.3.self_attn") -> [H].
+    tau: logit cap (K2: 100).
+    qk_nope_head_dim: dn.
+    qk_rope_head_dim: dr.
+
+  Returns:
+    params with the clipped kernels replaced.
+  """
+  if tau <= 0:
+    raise ValueError(f"tau must be > 0, got {tau}")
+  dn, dr = qk_nope_head_dim, qk_rope_head_dim
+  targets = {f"{pre}.{name}.kernel": (pre, name) for pre in max_logits
+             for name in _QK_CLIP_TARGETS}
+  found: dict[str, set[str]] = {pre: set() for pre in max_logits}
+
+  def clip(p, w):
+    key = path_str(p)
+    if key not in targets:
+      return w
+    pre, name = targets[key]
+    s = jnp.asarray(max_logits[pre], jnp.float32)
+    if w.ndim != 3 or s.shape != (w.shape[1],):
+      raise ValueError(f"max_logits[{pre!r}] has shape {s.shape}, {key} has "
+                       f"shape {w.shape}: expected [H] and [r, H, x]")
+    gamma = jnp.where(s > tau, tau / s, 1.0)
+    root = jnp.sqrt(gamma)
+    if name == "kv_b_proj":
+      if w.shape[2] <= dn:
+        raise ValueError(f"{key} has last dim {w.shape[2]}, expected dn + dv "
+                         f"with qk_nope_head_dim={dn}")
+      factor = jnp.concatenate(
+          [jnp.broadcast_to(root[:, None], (s.shape[0], dn)),
+           jnp.ones((s.shape[0], w.shape[2] - dn), jnp.float32)], axis=1)
+    else:
+      if w.shape[2] != dn + dr:
+        raise ValueError(f"{key} has last dim {w.shape[2]}, expected "
+                         f"qk_nope_head_dim + qk_rope_head_dim = {dn + dr}")
+      factor = jnp.concatenate(
+          [jnp.broadcast_to(root[:, None], (s.shape[0], dn)),
+           jnp.broadcast_to(gamma[:, None], (s.shape[0], dr))], axis=1)
+    found[pre].add("kv" if name == "kv_b_proj" else "q")
+    return (w.astype(jnp.float32) * factor[None]).astype(w.dtype)
+
+  out = jax.tree_util.tree_map_with_path(clip, params)
+  for pre, kinds in found.items():
+    if kinds != {"q", "kv"}:
+      raise ValueError(f"max_logits names MLA layer {pre!r}, but params lack "
+                       f"{pre}.q_b_proj/q_proj.kernel or {pre}.kv_b_proj.kernel")
+  return out

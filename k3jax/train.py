@@ -1,0 +1,166 @@
+"""The training step: loss, optimizer, MoE bias update and QK-Clip, as pure functions of a pytree.
+
+`TrainState` (a dict: step, params, buffers, opt_state) crosses `jax.jit`; the model is rebuilt
+inside the step with `nnx.merge(graphdef, params, buffers)`. `buffers` holds the non-trained
+variables, i.e. the MoE balancing biases, updated outside the optimizer (report §2.3.3).
+"""
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax import latent_moe, muon, quantile_balancing, sharding
+from k3jax.model import K3ForCausalLM
+
+TrainState = dict[str, Any]
+
+
+def make_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
+  """Cosine with 1% linear warmup (report §3.3)."""
+  return muon.cosine_schedule(train_cfg.learning_rate, train_cfg.steps,
+                              train_cfg.warmup_frac, train_cfg.final_lr_frac)
+
+
+def _decay_mask(params):
+  """AdamW decays matrices only, never norms, gains, biases or A_log (ndim < 2)."""
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(train_cfg: ml_collections.ConfigDict, params) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW or per-head Muon (+ AdamW for the rest)."""
+  lr = make_schedule(train_cfg)
+  if train_cfg.optimizer == "adamw":
+    opt = optax.adamw(lr, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
+                      weight_decay=train_cfg.weight_decay, mask=_decay_mask)
+  else:
+    mode = "per_head" if train_cfg.optimizer == "muon" else "whole"
+    opt = muon.per_head_muon(lr, weight_decay=train_cfg.weight_decay, adam_b1=train_cfg.adam_b1,
+                             adam_b2=train_cfg.adam_b2, mode=mode, params_for_dims=params)
+  return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), opt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything static about a run: the graph of the model and the optimizer."""
+  graphdef: Any
+  tx: optax.GradientTransformation
+  cfg: ml_collections.ConfigDict
+  logical_names: dict  # {"params": ..., "buffers": ...}: pure dicts of logical axis names
+
+
+def init(cfg: ml_collections.ConfigDict, seed: int, kda_impl: str = ""
+         ) -> tuple[Setup, TrainState]:
+  """Builds the model and optimizer; returns (setup, state) with concrete arrays."""
+  model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(seed), kda_impl=kda_impl)
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  names = {k: jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), st,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+           for k, st in (("params", params), ("buffers", buffers))}
+  names = {k: nnx.to_pure_dict(v) for k, v in names.items()}
+  params, buffers = nnx.to_pure_dict(params), nnx.to_pure_dict(buffers)
+  tx = make_optimizer(cfg.train, params)
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers,
+           "opt_state": tx.init(params)}
+  return Setup(graphdef, tx, cfg, names), state
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+  """Mean next-token cross-entropy over mask > 0 (fp32). Returns (loss, token count)."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  n = jnp.maximum(jnp.sum(mask), 1.0)
+  return jnp.sum(ce * mask) / n, n
+
+
+def loss_fn(params, buffers, graphdef, batch: dict[str, jax.Array]):
+  model = nnx.merge(graphdef, params, buffers)
+  logits, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"])
+  loss, _ = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  return loss, aux
+
+
+def _moe_layers(aux: dict[int, dict]) -> dict[int, dict]:
+  return {i: a["moe"] for i, a in aux.items() if "moe" in a}
+
+
+def update_moe_biases(buffers, aux, model_cfg: ml_collections.ConfigDict):
+  """Every MoE layer's balancing bias for the next step (used from the next step on)."""
+  e = model_cfg.moe
+  layers = dict(buffers["layers"])
+  for i, moe_aux in _moe_layers(aux).items():
+    layer = dict(layers[i])
+    moe = dict(layer["block_sparse_moe"])
+    gate = dict(moe["gate"])
+    gate["e_score_correction_bias"] = latent_moe.update_bias(
+        gate["e_score_correction_bias"], moe_aux, method=e.balancing,
+        top_k=e.num_experts_per_tok, rate=e.bias_update_rate)
+    moe["gate"] = gate
+    layer["block_sparse_moe"] = moe
+    layers[i] = layer
+  return {**buffers, "layers": layers}
+
+
+def moe_metrics(aux) -> dict[str, jax.Array]:
+  """Expert-load statistics per MoE layer (max/mean, min/mean, coefficient of variation)."""
+  out = {}
+  for i, moe_aux in _moe_layers(aux).items():
+    for name, value in quantile_balancing.load_stats(moe_aux["loads"]).items():
+      out[f"moe/layer{i}/{name}"] = value
+  if out:
+    for name in ("max_over_mean", "min_over_mean", "cv"):
+      vals = [v for k, v in out.items() if k.endswith("/" + name)]
+      out[f"moe/mean_{name}"] = jnp.mean(jnp.stack(vals))
+  return out
+
+
+def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  """The jittable step: forward, backward, optimizer, QK-Clip, MoE bias update."""
+  cfg = setup.cfg
+  schedule = make_schedule(cfg.train)
+  clip = cfg.train.optimizer != "adamw" and cfg.train.qk_clip_tau > 0
+
+  def step(state: TrainState, batch: dict[str, jax.Array]):
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state["params"], state["buffers"], setup.graphdef, batch)
+    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    max_logits = {f"layers.{i}.self_attn": a["mla_max_logit"]
+                  for i, a in aux.items() if "mla_max_logit" in a}
+    if clip and max_logits:
+      params = muon.qk_clip(params, max_logits, tau=cfg.train.qk_clip_tau,
+                            qk_nope_head_dim=cfg.model.mla.qk_nope_head_dim,
+                            qk_rope_head_dim=cfg.model.mla.qk_rope_head_dim)
+    buffers = update_moe_biases(state["buffers"], aux, cfg.model)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+               "learning_rate": schedule(state["step"]), **moe_metrics(aux)}
+    if max_logits:
+      metrics["mla/max_logit"] = jnp.max(jnp.stack(list(max_logits.values())))
+    new_state = {"step": state["step"] + 1, "params": params, "buffers": buffers,
+                 "opt_state": opt_state}
+    return new_state, metrics
+
+  return step
+
+
+def state_shardings(setup: Setup, state: TrainState, mesh, rules) -> TrainState:
+  """NamedShardings for the whole train state from the parameters' logical axis names."""
+  p_sh = sharding.tree_shardings(state["params"], setup.logical_names["params"], mesh, rules)
+  b_sh = sharding.tree_shardings(state["buffers"], setup.logical_names["buffers"], mesh, rules)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return {"step": replicated, "params": p_sh, "buffers": b_sh,
+          "opt_state": sharding.tree_shardings_like(state["opt_state"], state["params"], p_sh, mesh)}
+
+
+def optimizer_table(train_cfg: ml_collections.ConfigDict, params) -> str:
+  """The parameter -> optimizer treatment table printed when training starts."""
+  if train_cfg.optimizer == "adamw":
+    n_decay = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
+    n_all = sum(x.size for x in jax.tree.leaves(params))
+    return (f"AdamW on all parameters ({n_all} values); weight decay {train_cfg.weight_decay} "
+            f"on matrices ({n_decay} values), none on norms, gains, biases, A_log")
+  return muon.format_table(params, mode="per_head" if train_cfg.optimizer == "muon" else "whole")

@@ -1,0 +1,48 @@
+r"""Train a K3 model: `python -m launch.train --config=experiments/configs/k3_tiny.py --workdir=DIR`.
+
+Re-running the same command resumes from the newest valid checkpoint in DIR. Overrides:
+`--config.train.steps=100`, `--config.model.moe.balancing=sign`, ... `--profile_steps=5,8`
+writes an XLA profiler trace of steps [5, 8) into DIR/profile.
+"""
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from k3jax import config as config_lib
+from k3jax import loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard events and traces.")
+_PROFILE = flags.DEFINE_string("profile_steps", "", "START,STOP: trace steps [START, STOP).")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
+                                 "Call jax.distributed.initialize() first (multi-host).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _profile_window(text: str) -> tuple[int, int] | None:
+  if not text:
+    return None
+  try:
+    start, stop = (int(x) for x in text.split(","))
+  except ValueError as e:
+    raise app.UsageError(f"--profile_steps must be START,STOP (two integers), got {text!r}") from e
+  if not 0 <= start < stop:
+    raise app.UsageError(f"--profile_steps needs 0 <= START < STOP, got {text!r}")
+  return start, stop
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
+  cfg = config_lib.validate(_CONFIG.value)
+  window = _profile_window(_PROFILE.value)
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  loop.run(cfg, _WORKDIR.value, profile_window=window)
+
+
+if __name__ == "__main__":
+  app.run(main)

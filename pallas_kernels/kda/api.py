@@ -1,0 +1,117 @@
+"""Public KDA ops with fla layouts (Kimi Linear report Eq. 1; fla `chunk_kda`).
+
+Layouts: q, k [B, T, H, K] (already L2-normalised); v [B, T, H, V]; g [B, T, H, K]
+natural-log decay (<= 0); beta [B, T, H] (after the sigmoid); state
+[B, H, K, V]; o [B, T, H, V] in q's dtype. `segment_ids` [B, T] (documents
+packed in a row): the state is reset to zero before every token whose id
+differs from the previous token's; `initial_state` is the state entering
+token 0; the final state is the state after the last token.
+"""
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import chunked
+from pallas_kernels.kda import reference
+
+IMPLS = ("reference", "chunked")
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale) -> float:
+  """Validates shapes/dtypes; returns the scale (default K**-0.5)."""
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta)
+  for name, x in arrays.items():
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating array, got dtype {x.dtype}")
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
+  b, t, h, dk = q.shape
+  if t == 0:
+    raise ValueError("q has T = 0 tokens; T must be >= 1")
+  if k.shape != q.shape:
+    raise ValueError(f"k must have q's shape [B, T, H, K] = {q.shape}, got {k.shape}")
+  if v.ndim != 4 or v.shape[:3] != (b, t, h):
+    raise ValueError(f"v must be [B, T, H, V] = [{b}, {t}, {h}, V], got {v.shape}")
+  if g.shape != q.shape:
+    raise ValueError(f"g must have q's shape [B, T, H, K] = {q.shape}, got {g.shape}")
+  if beta.shape != (b, t, h):
+    raise ValueError(f"beta must be [B, T, H] = {(b, t, h)}, got {beta.shape}")
+  dv = v.shape[-1]
+  if initial_state is not None:
+    if initial_state.shape != (b, h, dk, dv):
+      raise ValueError(f"initial_state must be [B, H, K, V] = {(b, h, dk, dv)}, "
+                       f"got {initial_state.shape}")
+    if not jnp.issubdtype(initial_state.dtype, jnp.floating):
+      raise ValueError(f"initial_state must be floating, got {initial_state.dtype}")
+  if segment_ids is not None:
+    if segment_ids.shape != (b, t):
+      raise ValueError(f"segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"segment_ids must be an integer array (int32), got {segment_ids.dtype}")
+  if scale is None:
+    return dk ** -0.5
+  return scale
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    gate_bound: float | None = None,
+    impl: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+  """KDA over a whole sequence (training / prefill).
+
+  Args:
+    q, k, v, g, beta, initial_state, segment_ids: see the module docstring.
+    scale: multiplies q; defaults to K**-0.5.
+    output_final_state: return the final state [B, H, K, V] (else None).
+    gate_bound: static promise g >= gate_bound, a float in [-5, 0] (K3's gate:
+      -5.0); it selects the chunked tier's matmul-only tile factorisation.
+      None (default) is exact for any g <= 0 (e.g. Kimi Linear's softplus gate).
+      It never changes the result, only the numerical path.
+    impl: one of `IMPLS`, or None for the best tier that supports the call
+      (now always "chunked").
+
+  Returns:
+    (o [B, T, H, V] in q's dtype, final state or None).
+  """
+  scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
+  if impl is not None and impl not in IMPLS:
+    raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
+  if gate_bound is not None and not chunked.MIN_GATE_BOUND <= gate_bound <= 0:
+    raise ValueError(f"gate_bound must be None or a float in [{chunked.MIN_GATE_BOUND}, 0], "
+                     f"got {gate_bound!r}; use None for gates that can go below "
+                     f"{chunked.MIN_GATE_BOUND}")
+  if impl == "reference":
+    o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
+                                   initial_state=initial_state, segment_ids=segment_ids)
+  else:
+    o, s = chunked.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             segment_ids=segment_ids, gate_bound=gate_bound)
+  return o, (s if output_final_state else None)
+
+
+def fused_recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Token-by-token KDA (decode with T = 1); same arguments as `chunk_kda`."""
+  scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
+  o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
+                                 initial_state=initial_state, segment_ids=segment_ids)
+  return o, (s if output_final_state else None)

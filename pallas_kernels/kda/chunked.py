@@ -1,0 +1,234 @@
+"""Chunkwise-parallel KDA in plain JAX (Kimi Linear report Eqs. 2-9 and §6.2).
+
+Per chunk of C = 64 tokens (split into 16-token tiles), with G the chunk-local
+inclusive cumsum of g, S the state entering the chunk and q pre-scaled:
+  A_kk[r, j] = beta_r sum_c k_rc k_jc e^{G_rc - G_jc}   (j < r)      L = A_kk
+  A_qk[r, j] =        sum_c q_rc k_jc e^{G_rc - G_jc}   (j <= r)
+  W = (I + L)^{-1} diag(beta) (K * e^G),   U = (I + L)^{-1} diag(beta) V    (Eq. 7)
+  V_new = U - W S,   O = (Q * e^G) S + A_qk V_new,
+  S' = e^{G_C} * S + (K * e^{G_C - G})^T V_new                               (Eqs. 8-9)
+Only `S' <- ...` is sequential (`lax.scan` over chunks).
+
+Decay factors e^{G_r - G_j} of the intra-chunk matrices:
+  * off-diagonal tile pairs (row tile i > column tile): anchored at the first row
+    n of tile i, (q_r e^{G_r - G_n}) . (k_j e^{G_n - G_j}); both exponents are
+    <= 0, so this is exact for any g <= 0 (an underflowed factor means the
+    true product underflows too).
+  * diagonal 16 x 16 tiles, `gate_bound` given (g >= gate_bound >= -5, the K3
+    gate): factorised around the tile's middle row m, (q_r e^{G_r - G_m}) .
+    (k_j e^{G_m - G_j}); each exponent is at most 8 * 5 = 40 nats and every
+    product (the masked acausal ones included) at most 15 * 5 = 75 nats, inside
+    fp32's range (88.7). All tile work is matmuls.
+  * diagonal tiles, `gate_bound=None` (any g <= 0, e.g. Kimi Linear's softplus
+    gate with g = -1000): pairwise e^{G_r - G_j} per channel, a [16, 16, K]
+    tensor per tile; exponents are <= 0 so nothing overflows.
+All inter-chunk factors (e^G, e^{G_C - G}, e^{G_C}) are <= 1. The exponents
+come from one fp32 cumsum, so a decay's relative error is about |G| * 2^-24.
+
+(I + L)^{-1} (the UT transform, Eq. 6): the 16 x 16 diagonal tiles of I + L are
+inverted by a batched unit-triangular solve, and the tiles are combined by
+block forward substitution X_i = (I + L_ii)^{-1} (B_i - sum_{m<i} L_im X_m).
+
+Segments: a token that starts a segment resets the state, which makes the
+intra-chunk matrices block-diagonal by segment; the entering state reaches only
+the chunk's first segment and the carried-out state holds only its last segment
+(masks `same`, `first`, `last` below; exact, no -inf gates).
+
+T not a multiple of 64 is padded with k = q = v = 0, g = 0, beta = 0 (the state
+passes through unchanged) and the output sliced.
+
+Backward: plain JAX autodiff through this function. It is exact (the same
+algebra differentiated), needs no custom VJP, and is finite for the same
+inputs as the forward: every exponent on the differentiated path is masked
+with `jnp.where` before `exp`, so no inf meets a zero cotangent.
+"""
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import reference
+
+CHUNK = 64
+TILE = 16
+MIN_GATE_BOUND = -5.0
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _pad_time(x: jax.Array, pad: int, mode: str = "constant") -> jax.Array:
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, mode=mode)
+
+
+def _to_chunks(x: jax.Array) -> jax.Array:
+  """[B, T, H, ...] -> [B, H, N, C, ...]."""
+  b, t, h = x.shape[:3]
+  x = x.reshape(b, t // CHUNK, CHUNK, h, *x.shape[3:])
+  return jnp.moveaxis(x, 3, 1)
+
+
+def _segment_masks(segment_ids: jax.Array, n: int):
+  """Masks from [B, T_padded] ids: same [B,1,N,C,C], first/last [B,1,N,C], whole [B,1,N]."""
+  resets = reference.segment_resets(segment_ids).reshape(-1, 1, n, CHUNK)
+  count = jnp.cumsum(resets.astype(jnp.int32), axis=-1)
+  same = count[..., :, None] == count[..., None, :]
+  first = count == 0
+  last = count == count[..., -1:]
+  whole = count[..., -1] == 0
+  return same, first, last, whole
+
+
+def _intra_chunk(rows: jax.Array, k: jax.Array, G: jax.Array,
+                 gate_bound: float | None, dt) -> jax.Array:
+  """sum_c rows_rc k_jc e^{G_rc - G_jc} for all (r, j) of a chunk, exact where j <= r.
+
+  Args:
+    rows: [R, B, H, N, C, K] (R row operands sharing k and G); k, G: [B, H, N, C, K].
+    gate_bound: None (pairwise diagonal tiles) or a bound >= -5 (factorised).
+
+  Returns:
+    [R, B, H, N, C, C]; entries with j > r are unspecified (the caller masks).
+  """
+  nt = CHUNK // TILE
+  kdim = k.shape[-1]
+  rows_t = rows.reshape(*rows.shape[:-2], nt, TILE, kdim)
+  k_t = k.reshape(*k.shape[:-2], nt, TILE, kdim)
+  g_t = G.reshape(*G.shape[:-2], nt, TILE, kdim)
+  pos = jnp.arange(CHUNK)
+
+  # Off-diagonal tile pairs: anchor at the first row n_i of row tile i.
+  g_anchor = g_t[..., :, :1, :]                                      # [..., nt, 1, K]
+  rows_off = rows_t * jnp.exp(g_t - g_anchor)
+  before = pos[None, :] < (TILE * jnp.arange(nt))[:, None]           # [nt, C]: j < n_i
+  expo = jnp.where(before[:, :, None], g_anchor - G[..., None, :, :], 0)
+  k_off = k[..., None, :, :] * jnp.exp(expo)                          # [..., nt, C, K]
+  a_off = jnp.einsum("...itk,...ijk->...itj", rows_off, k_off,
+                     precision=_HIGHEST, preferred_element_type=dt)
+
+  # Diagonal tiles.
+  if gate_bound is None:
+    causal = jnp.tril(jnp.ones((TILE, TILE), bool))
+    diff = jnp.where(causal[:, :, None], g_t[..., :, None, :] - g_t[..., None, :, :], 0)
+    a_diag = jnp.einsum("...irk,...isk,...irsk->...irs", rows_t, k_t, jnp.exp(diff),
+                        precision=_HIGHEST, preferred_element_type=dt)
+  else:
+    g_mid = g_t[..., TILE // 2:TILE // 2 + 1, :]
+    a_diag = jnp.einsum("...irk,...isk->...irs", rows_t * jnp.exp(g_t - g_mid),
+                        k_t * jnp.exp(g_mid - g_t),
+                        precision=_HIGHEST, preferred_element_type=dt)
+
+  a_diag = jnp.einsum("ij,...irs->...irjs", jnp.eye(nt, dtype=dt), a_diag)
+  a_diag = a_diag.reshape(*a_diag.shape[:-4], CHUNK, CHUNK)
+  a_off = a_off.reshape(*a_off.shape[:-3], CHUNK, CHUNK)
+  same_tile = (pos[:, None] // TILE) == (pos[None, :] // TILE)
+  return jnp.where(same_tile, a_diag, a_off)
+
+
+def _ut_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
+  """(I + lower)^{-1} rhs for strictly lower-triangular lower [..., C, C] (Eq. 6).
+
+  With D the block diagonal of I + lower (16 x 16 tiles, inverted by a batched
+  unit-triangular solve) and N = D^{-1} (off-diagonal tiles of lower), the
+  solution of x = D^{-1} rhs - N x is reached by C/16 - 1 sweeps of that
+  update: block forward substitution, written as full-chunk matmuls.
+  """
+  nt = CHUNK // TILE
+  eye = jnp.eye(TILE, dtype=lower.dtype)
+  rows = lower.reshape(*lower.shape[:-2], nt, TILE, CHUNK)            # [..., nt, 16, C]
+  diag = jnp.moveaxis(jnp.diagonal(rows.reshape(*rows.shape[:-1], nt, TILE),
+                                   axis1=-4, axis2=-2), -1, -3)      # [..., nt, 16, 16]
+  inv = jax.lax.linalg.triangular_solve(
+      eye + diag, jnp.broadcast_to(eye, diag.shape), left_side=True, lower=True,
+      unit_diagonal=True)
+  off_diag = (jnp.arange(nt)[:, None] != jnp.arange(CHUNK)[None, :] // TILE)[:, None, :]
+  n_mat = jnp.einsum("...irs,...isj->...irj", inv, jnp.where(off_diag, rows, 0),
+                     precision=_HIGHEST).reshape(lower.shape)
+  y = jnp.einsum("...irs,...isx->...irx", inv,
+                 rhs.reshape(*rhs.shape[:-2], nt, TILE, rhs.shape[-1]),
+                 precision=_HIGHEST).reshape(rhs.shape)
+  x = y
+  for _ in range(nt - 1):
+    x = y - jnp.einsum("...rj,...jx->...rx", n_mat, x, precision=_HIGHEST)
+  return x
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    segment_ids: jax.Array | None,
+    gate_bound: float | None,
+) -> tuple[jax.Array, jax.Array]:
+  """Chunkwise KDA; same contract as `reference.recurrent_kda`.
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] (<= 0); beta: [B, T, H].
+    scale: multiplies q. initial_state: [B, H, K, V] or None.
+    segment_ids: [B, T] int or None.
+    gate_bound: None for any g <= 0; a float in [-5, 0] promises g >= gate_bound
+      and selects the factorised (matmul-only) diagonal tiles.
+
+  Returns:
+    o [B, T, H, V] in q's dtype and the final state [B, H, K, V] in the
+    compute dtype (>= fp32).
+  """
+  dt = reference.compute_dtype(q, k, v, g, beta, initial_state)
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  pad = -t % CHUNK
+  n = (t + pad) // CHUNK
+  qc, kc, vc, gc, bc = (_to_chunks(_pad_time(x.astype(dt), pad)) for x in (q, k, v, g, beta))
+  G = jnp.cumsum(gc, axis=-2)                                          # [B, H, N, C, K]
+  g_last = G[..., -1, :]                                               # [B, H, N, K]
+
+  pos = jnp.arange(CHUNK)
+  causal = pos[:, None] >= pos[None, :]
+  strict = pos[:, None] > pos[None, :]
+  if segment_ids is None:
+    same = first = last = whole = None
+  else:
+    same, first, last, whole = _segment_masks(_pad_time(segment_ids, pad, "edge"), n)
+    causal = causal & same
+    strict = strict & same
+
+  rows = jnp.stack([qc * scale, bc[..., None] * kc])
+  a_qk, a_kk = _intra_chunk(rows, kc, G, gate_bound, dt)
+  a_qk = jnp.where(causal, a_qk, 0)
+  a_kk = jnp.where(strict, a_kk, 0)
+
+  k_decayed = bc[..., None] * kc * jnp.exp(G)
+  q_decayed = qc * scale * jnp.exp(G)
+  k_to_end = kc * jnp.exp(g_last[..., None, :] - G)
+  chunk_decay = jnp.exp(g_last)
+  if segment_ids is not None:
+    k_decayed = jnp.where(first[..., None], k_decayed, 0)
+    q_decayed = jnp.where(first[..., None], q_decayed, 0)
+    k_to_end = jnp.where(last[..., None], k_to_end, 0)
+    chunk_decay = jnp.where(whole[..., None], chunk_decay, 0)
+  wu = _ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1))
+  w, u = wu[..., :dk], wu[..., dk:]
+
+  if initial_state is None:
+    s0 = jnp.zeros((b, h, dk, dv), dt)
+  else:
+    s0 = initial_state.astype(dt)
+
+  def step(s, x):
+    w_n, u_n, kg_n, decay_n = x
+    v_new = u_n - jnp.einsum("bhck,bhkv->bhcv", w_n, s, precision=_HIGHEST)
+    s_next = decay_n[..., None] * s + jnp.einsum("bhck,bhcv->bhkv", kg_n, v_new,
+                                                 precision=_HIGHEST)
+    return s_next, (s, v_new)
+
+  chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
+  s_final, (s_in, v_new) = jax.lax.scan(
+      step, s0, tuple(map(chunk_major, (w, u, k_to_end, chunk_decay))))
+  s_in, v_new = jnp.moveaxis(s_in, 0, 2), jnp.moveaxis(v_new, 0, 2)
+  o = (jnp.einsum("bhnck,bhnkv->bhncv", q_decayed, s_in, precision=_HIGHEST)
+       + jnp.einsum("bhncj,bhnjv->bhncv", a_qk, v_new, precision=_HIGHEST))
+  o = jnp.moveaxis(o, 1, 3).reshape(b, n * CHUNK, h, dv)[:, :t]
+  return o.astype(q.dtype), s_final

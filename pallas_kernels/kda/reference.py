@@ -1,0 +1,81 @@
+"""Token-by-token KDA recurrence: the oracle tier (Kimi Linear report Eq. 1).
+
+Per head, with state S [K, V] and q pre-multiplied by `scale`:
+  S <- S * exp(g_t)[:, None]                     # per-key-channel decay Diag(alpha_t)
+  S <- S + (beta_t k_t) outer (v_t - S^T k_t)     # delta rule on the decayed state
+  o_t = S^T q_t
+This is fla-core 0.6.0 `naive_recurrent_kda`. A segment boundary (segment_ids
+changes from token t-1 to token t) zeroes the state before token t.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def compute_dtype(*arrays: jax.Array | None) -> jnp.dtype:
+  """The inputs' common float dtype promoted to at least fp32."""
+  dtypes = [a.dtype for a in arrays if a is not None]
+  return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
+
+
+def segment_resets(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] bool: True where token t starts a new segment (t > 0 only)."""
+  changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.pad(changed, ((0, 0), (1, 0)))
+
+
+def recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    segment_ids: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+  """KDA by `lax.scan` over tokens, in the inputs' dtype promoted to >= fp32.
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0);
+    beta: [B, T, H]; scale: multiplies q; initial_state: [B, H, K, V] or None;
+    segment_ids: [B, T] int or None.
+
+  Returns:
+    o [B, T, H, V] in q's dtype and the final state [B, H, K, V] in the
+    compute dtype.
+  """
+  dt = compute_dtype(q, k, v, g, beta, initial_state)
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  if initial_state is None:
+    s0 = jnp.zeros((b, h, dk, dv), dt)
+  else:
+    s0 = initial_state.astype(dt)
+  if segment_ids is None:
+    resets = jnp.zeros((b, t), bool)
+  else:
+    resets = segment_resets(segment_ids)
+
+  def time_major(x):
+    return jnp.moveaxis(x.astype(dt), 1, 0)
+
+  xs = (time_major(q) * scale, time_major(k), time_major(v), time_major(g),
+        time_major(beta), jnp.moveaxis(resets, 1, 0))
+
+  def step(s, x):
+    q_t, k_t, v_t, g_t, beta_t, reset_t = x
+    s = jnp.where(reset_t[:, None, None, None], 0, s)
+    s = s * jnp.exp(g_t)[..., None]
+    pred = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=_HIGHEST)
+    s = s + jnp.einsum("bhk,bhv->bhkv", beta_t[..., None] * k_t, v_t - pred,
+                       precision=_HIGHEST)
+    o_t = jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=_HIGHEST)
+    return s, o_t
+
+  s, o = jax.lax.scan(step, s0, xs)
+  return jnp.moveaxis(o, 0, 1).astype(q.dtype), s

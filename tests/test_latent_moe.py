@@ -1,0 +1,271 @@
+"""Tests for k3jax.latent_moe (report §2.3, Eq. 11-13) against dense / numpy oracles."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import k3jax  # noqa: F401
+from k3jax import latent_moe as lm
+from k3jax import quantile_balancing as qb
+from k3jax import situ as situ_lib
+
+B1, B2 = 4.0, 25.0
+
+
+def routed_experts_loop_reference(z, weights, experts, w1, w3, w2, beta1, beta2):
+  """Loop over experts with dense masks: every expert runs on every token (test oracle)."""
+  out = jnp.zeros(z.shape, jnp.float32)
+  for e in range(w1.shape[0]):
+    coef = jnp.sum(jnp.where(experts == e, weights, 0.0), axis=1)
+    h = situ_lib.situ(z @ w1[e], z @ w3[e], beta1, beta2) @ w2[e]
+    out = out + coef[:, None] * h
+  return out.astype(z.dtype)
+
+
+def np_route(x, kernel, bias, k, scale, norm):
+  s = 1.0 / (1.0 + np.exp(-(x.astype(np.float64) @ kernel.astype(np.float64))))
+  experts = np.argsort(-(s + bias), axis=1, kind="stable")[:, :k]
+  w = np.take_along_axis(s, experts, axis=1)
+  if norm:
+    w = w / (w.sum(axis=1, keepdims=True) + 1e-20)
+  return w * scale, experts, s
+
+
+def small_moe(latent_size=8, **kw):
+  cfg = dict(num_experts=6, top_k=2, n_shared_experts=2, moe_intermediate_size=12,
+             latent_size=latent_size, qb_num_bins=50, rngs=nnx.Rngs(0))
+  cfg.update(kw)
+  return lm.LatentMoE(16, **cfg)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return small_moe(routed_scaling_factor=1.7, qb_keep_scores=True)
+
+
+@pytest.fixture(scope="module")
+def plain_model():
+  return small_moe(latent_size=16, n_shared_experts=0)
+
+
+@nnx.jit
+def forward(model, x):
+  return model(x)
+
+
+def test_route_matches_numpy():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(20, 16)).astype(np.float32)
+  kern = rng.normal(size=(16, 6)).astype(np.float32) * 0.3
+  bias = rng.normal(size=6).astype(np.float32) * 0.2
+  w, e, s = lm.route(jnp.asarray(x), jnp.asarray(kern), jnp.asarray(bias), 3, 2.5, True)
+  w_ref, e_ref, s_ref = np_route(x, kern, bias, 3, 2.5, True)
+  assert w.dtype == jnp.float32 and e.dtype == jnp.int32 and s.dtype == jnp.float32
+  np.testing.assert_array_equal(e, e_ref)
+  np.testing.assert_allclose(w, w_ref, rtol=1e-5)
+  np.testing.assert_allclose(s, s_ref, rtol=1e-5)
+  w_raw, _, _ = lm.route(jnp.asarray(x), jnp.asarray(kern), jnp.asarray(bias), 3, 1.0, False)
+  np.testing.assert_allclose(w_raw, np.take_along_axis(s_ref, e_ref, axis=1), rtol=1e-5)
+
+
+def test_bias_selects_but_never_weights():
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(24, 16)).astype(np.float32))
+  kern = jnp.asarray(rng.normal(size=(16, 6)).astype(np.float32) * 0.3)
+  w0, e0, s0 = lm.route(x, kern, jnp.zeros(6), 2, 1.0, True)
+  # A common offset keeps every top-k set, so the weights are unchanged.
+  w1, e1, _ = lm.route(x, kern, jnp.full((6,), 0.37), 2, 1.0, True)
+  np.testing.assert_array_equal(np.sort(e0, 1), np.sort(e1, 1))
+  np.testing.assert_allclose(np.sort(w0, 1), np.sort(w1, 1), rtol=1e-6)
+  # A large bias on expert 3 puts it in every top-k; weights stay renormalised unbiased scores.
+  w2, e2, s2 = lm.route(x, kern, jnp.zeros(6).at[3].set(10.0), 2, 1.0, True)
+  assert (np.asarray(e2) == 3).any(axis=1).all()
+  assert not (np.asarray(e0) == 3).any(axis=1).all()
+  sel = np.take_along_axis(np.asarray(s0), np.asarray(e2), axis=1)
+  np.testing.assert_allclose(w2, sel / sel.sum(1, keepdims=True), rtol=1e-6)
+  np.testing.assert_array_equal(s2, s0)
+
+
+@pytest.fixture(scope="module")
+def uneven_case():
+  """N=10 tokens, E=5, k=2: expert 0 takes 8 copies, expert 4 none."""
+  experts = np.array([[0, 1], [0, 2], [3, 0], [0, 1], [2, 0], [0, 3], [1, 0], [0, 2],
+                      [1, 3], [2, 1]], np.int32)
+  assert (np.bincount(experts.ravel(), minlength=5) == [8, 5, 4, 3, 0]).all()
+  rng = np.random.default_rng(2)
+  n_tok, lat, mid, num_e = 10, 8, 6, 5
+  arrs = dict(
+      z=rng.normal(size=(n_tok, lat)), weights=rng.uniform(0.1, 1.0, size=(n_tok, 2)),
+      w1=rng.normal(size=(num_e, lat, mid)), w3=rng.normal(size=(num_e, lat, mid)),
+      w2=rng.normal(size=(num_e, mid, lat)) * 0.3)
+  arrs = {k: jnp.asarray(v, jnp.float32) for k, v in arrs.items()}
+  return arrs, jnp.asarray(experts)
+
+
+def test_sorted_path_matches_loop_reference(uneven_case):
+  arrs, experts = uneven_case
+  names = ("z", "weights", "w1", "w3", "w2")
+
+  def loss(fn, *args):
+    kw = dict(zip(names, args))
+    out = fn(kw["z"], kw["weights"], experts, kw["w1"], kw["w3"], kw["w2"], B1, B2)
+    return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+  args = [arrs[n] for n in names]
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      lambda *a: loss(lm.routed_experts, *a), argnums=range(5), has_aux=True))(*args)
+  (_, ref), ref_grads = jax.jit(jax.value_and_grad(
+      lambda *a: loss(routed_experts_loop_reference, *a), argnums=range(5), has_aux=True))(*args)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  for name, g, g_ref in zip(names, grads, ref_grads):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
+  assert np.abs(np.asarray(ref_grads[2][4])).max() == 0.0  # unused expert gets zero grad
+  assert np.abs(np.asarray(grads[2][0])).max() > 0.0
+
+
+def test_pluggable_ragged_dot_is_used(uneven_case):
+  arrs, experts = uneven_case
+  calls = []
+
+  def counting_ragged_dot(lhs, rhs, group_sizes):
+    calls.append(np.asarray(group_sizes))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+  lm.routed_experts(arrs["z"], arrs["weights"], experts, arrs["w1"], arrs["w3"], arrs["w2"],
+                    B1, B2, ragged_dot=counting_ragged_dot)
+  assert len(calls) == 3 and all((c == [8, 5, 4, 3, 0]).all() for c in calls)
+
+
+def test_routed_path_uses_situ_bound():
+  n_tok, lat, num_e = 6, 4, 3
+  rng = np.random.default_rng(3)
+  z = jnp.asarray(rng.normal(size=(n_tok, lat)) * 1e4, jnp.float32)
+  w1 = jnp.asarray(rng.normal(size=(num_e, lat, lat)), jnp.float32)
+  w3 = jnp.asarray(rng.normal(size=(num_e, lat, lat)), jnp.float32)
+  w2 = jnp.broadcast_to(jnp.eye(lat), (num_e, lat, lat))
+  experts = jnp.asarray(rng.integers(0, num_e, size=(n_tok, 1)), jnp.int32)
+  out = lm.routed_experts(z, jnp.ones((n_tok, 1)), experts, w1, w3, w2, B1, B2)
+  assert np.abs(np.asarray(out)).max() <= B1 * B2
+  assert np.abs(np.asarray(out)).max() > 0.5 * B1 * B2
+
+
+def test_module_param_paths_and_axes(model, plain_model):
+  flat = {"/".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  expected = {
+      "gate/kernel": ((16, 6), ("embed", "exp_router")),
+      "routed_expert_down_proj/kernel": ((16, 8), ("embed", "latent")),
+      "experts/w1": ((6, 8, 12), ("exp", "latent", "mlp_moe")),
+      "experts/w3": ((6, 8, 12), ("exp", "latent", "mlp_moe")),
+      "experts/w2": ((6, 12, 8), ("exp", "mlp_moe", "latent")),
+      "routed_expert_norm/scale": ((8,), ("latent",)),
+      "routed_expert_up_proj/kernel": ((8, 16), ("latent", "embed")),
+      "shared_experts/gate_proj/kernel": ((16, 24), ("embed", "mlp")),
+      "shared_experts/up_proj/kernel": ((16, 24), ("embed", "mlp")),
+      "shared_experts/down_proj/kernel": ((24, 16), ("mlp", "embed")),
+  }
+  assert set(flat) == set(expected)
+  for path, (shape, axes) in expected.items():
+    assert flat[path][...].shape == shape, path
+    assert tuple(flat[path].get_metadata()["out_sharding"]) == axes, path
+  bias = model.gate["e_score_correction_bias"]
+  assert isinstance(bias, lm.MoEBias) and not isinstance(bias, nnx.Param)
+  assert bias[...].shape == (6,) and bias[...].dtype == jnp.float32
+  plain_paths = {"/".join(map(str, p))
+                 for p, _ in nnx.to_flat_state(nnx.state(plain_model, nnx.Param))}
+  assert plain_paths == {"gate/kernel", "experts/w1", "experts/w3", "experts/w2"}
+  assert plain_model.experts["w1"][...].shape == (6, 16, 12)
+  assert not small_moe(latent_size=0, n_shared_experts=0).use_latent
+
+
+def test_module_forward_matches_formula(model, plain_model):
+  model.gate["e_score_correction_bias"][...] = jnp.linspace(-0.3, 0.3, 6)
+  x = jax.random.normal(jax.random.key(4), (2, 6, 16))
+  y, aux = forward(model, x)
+  xf = x.reshape(12, 16)
+  w, e, s = lm.route(xf, model.gate["kernel"][...], model.gate["e_score_correction_bias"][...],
+                     2, 1.7, True)
+  z = xf @ model.routed_expert_down_proj["kernel"][...]
+  u = routed_experts_loop_reference(z, w, e, model.experts["w1"][...], model.experts["w3"][...],
+                                    model.experts["w2"][...], B1, B2)
+  y_ref = model.shared_experts(xf) + model.routed_expert_norm(u) @ (
+      model.routed_expert_up_proj["kernel"][...])
+  np.testing.assert_allclose(y, y_ref.reshape(2, 6, 16), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(aux["loads"], np.bincount(np.asarray(e).ravel(), minlength=6))
+  assert int(aux["num_tokens"]) == 12 and aux["qb_counts"].shape == (6, 50)
+  assert (np.asarray(aux["qb_counts"]).sum(1) == 12).all()
+  yp, _ = forward(plain_model, x)
+  wp, ep, _ = lm.route(xf, plain_model.gate["kernel"][...], jnp.zeros(6), 2, 1.0, True)
+  up = routed_experts_loop_reference(xf, wp, ep, plain_model.experts["w1"][...],
+                                     plain_model.experts["w3"][...],
+                                     plain_model.experts["w2"][...], B1, B2)
+  np.testing.assert_allclose(yp, up.reshape(2, 6, 16), rtol=1e-5, atol=1e-5)
+
+
+def test_token_permutation_is_restored(model):
+  x = jax.random.normal(jax.random.key(5), (2, 6, 16))
+  perm = np.random.default_rng(5).permutation(6)
+  y, aux = forward(model, x)
+  yp, auxp = forward(model, x[:, perm])
+  np.testing.assert_allclose(yp, y[:, perm], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(aux["loads"], auxp["loads"])
+  np.testing.assert_array_equal(aux["qb_counts"], auxp["qb_counts"])
+
+
+def test_jit_forward_grad_and_bias_update(model):
+  x = jax.random.normal(jax.random.key(6), (2, 6, 16))
+
+  @nnx.jit
+  def step(model, x):
+    def loss_fn(model):
+      y, aux = model(x)
+      return jnp.mean(y ** 2), aux
+    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    return loss, aux, grads
+
+  loss, aux, grads = step(model, x)
+  flat = dict(nnx.to_flat_state(grads))
+  assert ("gate", "e_score_correction_bias") not in flat
+  assert all(np.isfinite(np.asarray(v[...])).all() for v in flat.values())
+  assert np.abs(np.asarray(grads["experts"]["w1"][...])).max() > 0
+  assert np.abs(np.asarray(grads["gate"]["kernel"][...])).max() > 0
+
+  bias = model.gate["e_score_correction_bias"][...]
+  upd = jax.jit(lm.update_bias, static_argnames=("method", "top_k", "rate"))
+  new_q = upd(bias, aux, method="quantile", top_k=2)
+  np.testing.assert_allclose(new_q, qb.histogram_update(aux["qb_counts"], aux["qb_lo"],
+                                                        aux["qb_hi"], 12, 2), atol=1e-6)
+  assert abs(float(new_q.mean())) < 1e-6 and new_q.dtype == jnp.float32
+  new_e = upd(bias, aux, method="quantile_exact", top_k=2)
+  np.testing.assert_allclose(new_e, qb.exact_update(aux["scores"], bias, 2), atol=1e-6)
+  new_s = upd(bias, aux, method="sign", top_k=2, rate=0.01)
+  np.testing.assert_allclose(new_s, qb.sign_update(aux["loads"], bias, 0.01), atol=1e-7)
+  np.testing.assert_array_equal(upd(bias, aux, method="none", top_k=2), bias)
+
+
+def test_merge_aux_equals_full_batch(model):
+  model.gate["e_score_correction_bias"][...] = jnp.linspace(0.2, -0.2, 6)
+  x = jax.random.normal(jax.random.key(7), (4, 6, 16))
+  _, full = forward(model, x)
+  _, a = forward(model, x[:2])
+  _, b = forward(model, x[2:])
+  merged = lm.merge_aux(a, b)
+  for key in full:
+    np.testing.assert_array_equal(merged[key], full[key], err_msg=key)
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(ValueError, match="top_k"):
+    small_moe(top_k=6)
+  with pytest.raises(ValueError, match="latent_size"):
+    small_moe(latent_size=-1)
+  with pytest.raises(ValueError, match="method"):
+    lm.update_bias(jnp.zeros(6), {}, method="adam", top_k=2)
+  with pytest.raises(ValueError, match="qb_keep_scores"):
+    lm.update_bias(jnp.zeros(6), {}, method="quantile_exact", top_k=2)
+  with pytest.raises(ValueError, match="bias"):
+    lm.route(jnp.zeros((4, 16)), jnp.zeros((16, 6)), jnp.zeros(5), 2, 1.0, True)
+  with pytest.raises(ValueError, match="w1"):
+    lm.routed_experts(jnp.zeros((4, 8)), jnp.ones((4, 2)), jnp.zeros((4, 2), jnp.int32),
+                      jnp.zeros((3, 7, 5)), jnp.zeros((3, 7, 5)), jnp.zeros((3, 5, 7)), B1, B2)

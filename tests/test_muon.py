@@ -1,0 +1,434 @@
+"""Tests for k3jax.muon: Per-Head Muon ([TR] §2.5), Moonlight scaling, QK-Clip."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import k3jax  # noqa: F401  (flax config)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from k3jax import muon
+
+D_MODEL, H, D, E, L, M, V = 16, 4, 8, 3, 12, 6, 20
+QR, KR, DN, DR, DV, I, W = 12, 10, 4, 2, 4, 24, 4
+NS = (3.4445, -4.7750, 2.0315)
+
+
+def _tree():
+  """Every parameter kind of the K3 model, with small shapes (all zeros)."""
+  d, hd = D_MODEL, H * D
+  z = lambda *s: jnp.zeros(s, jnp.float32)
+  kda = {
+      "q_proj": {"kernel": z(d, H, D)}, "k_proj": {"kernel": z(d, H, D)},
+      "v_proj": {"kernel": z(d, H, D)},
+      "q_conv1d": {"kernel": z(W, hd)}, "k_conv1d": {"kernel": z(W, hd)},
+      "v_conv1d": {"kernel": z(W, hd)},
+      "A_log": z(H), "dt_bias": z(hd), "f_a_proj": {"kernel": z(d, D)},
+      "f_b_proj": {"kernel": z(D, H, D)}, "b_proj": {"kernel": z(d, H)},
+      "g_a_proj": {"kernel": z(d, D)}, "g_b_proj": {"kernel": z(D, H, D)},
+      "o_norm": {"scale": z(D)}, "o_proj": {"kernel": z(H, D, d)},
+  }
+  mla = {
+      "q_a_proj": {"kernel": z(d, QR)}, "q_a_layernorm": {"scale": z(QR)},
+      "q_b_proj": {"kernel": z(QR, H, DN + DR)},
+      "kv_a_proj_with_mqa": {"kernel": z(d, KR + DR)},
+      "kv_a_layernorm": {"scale": z(KR)},
+      "kv_b_proj": {"kernel": z(KR, H, DN + DV)},
+      "g_proj": {"kernel": z(d, H, DV)}, "o_proj": {"kernel": z(H, DV, d)},
+  }
+  mla_no_lora = dict(mla, q_proj={"kernel": z(d, H, DN + DR)})
+  del mla_no_lora["q_a_proj"], mla_no_lora["q_a_layernorm"]
+  del mla_no_lora["q_b_proj"]
+  moe = {
+      "gate": {"kernel": z(d, E), "e_score_correction_bias": z(E)},
+      "routed_expert_down_proj": {"kernel": z(d, L)},
+      "experts": {"w1": z(E, L, M), "w3": z(E, L, M), "w2": z(E, M, L)},
+      "routed_expert_norm": {"scale": z(L)},
+      "routed_expert_up_proj": {"kernel": z(L, d)},
+      "shared_experts": {"gate_proj": {"kernel": z(d, I)},
+                         "up_proj": {"kernel": z(d, I)},
+                         "down_proj": {"kernel": z(I, d)}},
+  }
+  dense = {"gate_proj": {"kernel": z(d, I)}, "up_proj": {"kernel": z(d, I)},
+           "down_proj": {"kernel": z(I, d)}}
+
+  def layer(attn, ffn_name, ffn):
+    return {"input_layernorm": {"scale": z(d)},
+            "post_attention_layernorm": {"scale": z(d)},
+            "self_attention_res_norm": {"scale": z(d)},
+            "mlp_res_norm": {"scale": z(d)},
+            "self_attention_res_proj": {"kernel": z(d)},
+            "mlp_res_proj": {"kernel": z(d)},
+            "self_attn": attn, ffn_name: ffn}
+  return {
+      "embed_tokens": {"embedding": z(V, d)}, "lm_head": {"kernel": z(d, V)},
+      "norm": {"scale": z(d)}, "output_attn_res_norm": {"scale": z(d)},
+      "output_attn_res_proj": {"kernel": z(d)},
+      "layers": {0: layer(kda, "mlp", dense),
+                 1: layer(mla, "block_sparse_moe", moe),
+                 2: layer(dict(kda, g_proj={"kernel": z(d, H, D)}),
+                          "block_sparse_moe", moe),
+                 3: layer(mla_no_lora, "block_sparse_moe", moe)},
+      "mtp": {"eh_proj": {"kernel": z(2 * d, d)}, "enorm": {"scale": z(d)},
+              "hnorm": {"scale": z(d)},
+              "layers": {0: layer(mla, "block_sparse_moe", moe)}},
+  }
+
+
+def _leaves(tree):
+  return {muon.path_str(p): x
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _get(tree, path):
+  for k in path.split("."):
+    tree = tree[int(k) if k.isdigit() else k]
+  return tree
+
+
+def _single(path, x):
+  """A nested dict holding one leaf at dotted `path`."""
+  out = x
+  for k in reversed(path.split(".")):
+    out = {int(k) if k.isdigit() else k: out}
+  return out
+
+
+def _ns5_oracle(g):
+  """fp64 NumPy Newton-Schulz (Jordan's recipe) of a 2-D matrix."""
+  x = np.asarray(g, np.float64)
+  t = x.shape[0] > x.shape[1]
+  x = x.T if t else x
+  x = x / (np.linalg.norm(x) + 1e-8)
+  a, b, c = NS
+  for _ in range(5):
+    s = x @ x.T
+    x = a * x + (b * s + c * s @ s) @ x
+  return x.T if t else x
+
+
+def _first_update(path, g, mode="per_head"):
+  """Step-1 update of one leaf with lr 1 and no decay (so U = scale * NS(G))."""
+  tx = muon.per_head_muon(1.0, weight_decay=0.0, mode=mode)
+  p = _single(path, jnp.zeros_like(g))
+  u, _ = jax.jit(tx.update)(_single(path, g), tx.init(p), p)
+  return np.asarray(_get(u, path))
+
+
+def _rms(x):
+  return float(np.sqrt(np.mean(np.square(x))))
+
+
+def test_table_treatments_both_modes():
+  params = _tree()
+  leaves = _leaves(params)
+  expect = {
+      "layers.0.self_attn.q_proj.kernel": (muon.MUON_PER_HEAD, (0, 2)),
+      "layers.1.self_attn.q_b_proj.kernel": (muon.MUON_PER_HEAD, (0, 2)),
+      "layers.1.self_attn.kv_b_proj.kernel": (muon.MUON_PER_HEAD, (0, 2)),
+      "layers.3.self_attn.q_proj.kernel": (muon.MUON_PER_HEAD, (0, 2)),
+      "layers.1.block_sparse_moe.experts.w2": (muon.MUON_PER_EXPERT, (1, 2)),
+      "layers.2.self_attn.g_proj.kernel": (muon.MUON_WHOLE, (0, (1, 2))),
+      "layers.0.self_attn.f_b_proj.kernel": (muon.MUON_WHOLE, (0, (1, 2))),
+      "layers.0.self_attn.o_proj.kernel": (muon.MUON_WHOLE, ((0, 1), 2)),
+      "layers.1.block_sparse_moe.gate.kernel": (muon.MUON_WHOLE, (0, 1)),
+      "layers.0.self_attn.b_proj.kernel": (muon.MUON_WHOLE, (0, 1)),
+      "mtp.eh_proj.kernel": (muon.MUON_WHOLE, (0, 1)),
+      "layers.0.mlp.down_proj.kernel": (muon.MUON_WHOLE, (0, 1)),
+      "embed_tokens.embedding": (muon.ADAMW, None),
+      "lm_head.kernel": (muon.ADAMW, None),
+      "layers.0.self_attn.q_conv1d.kernel": (muon.ADAMW, None),
+      "layers.0.self_attn.A_log": (muon.ADAMW_NO_DECAY, None),
+      "layers.0.self_attn.dt_bias": (muon.ADAMW_NO_DECAY, None),
+      "layers.0.self_attn.o_norm.scale": (muon.ADAMW_NO_DECAY, None),
+      "layers.1.mlp_res_proj.kernel": (muon.ADAMW_NO_DECAY, None),
+      "output_attn_res_proj.kernel": (muon.ADAMW_NO_DECAY, None),
+      "layers.1.block_sparse_moe.gate.e_score_correction_bias":
+          (muon.FROZEN, None),
+  }
+  for path, (treatment, dims) in expect.items():
+    t = muon.resolve(path, leaves[path].shape)
+    assert t.treatment == treatment, path
+    assert (None if t.dims is None else tuple(t.dims)) == dims, path
+  dims_tree = {muon.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+      muon.muon_dimension_numbers(params, mode="whole"),
+      is_leaf=lambda x: isinstance(x, muon.DimNums))}
+  assert tuple(dims_tree["layers.0.self_attn.q_proj.kernel"]) == (0, (1, 2))
+  assert tuple(dims_tree["layers.1.block_sparse_moe.experts.w1"]) == (1, 2)
+  assert "embed_tokens.embedding" not in dims_tree  # None leaf: AdamW
+  assert muon.resolve("vision.blocks.0.attn.qkv.kernel", (8, 24)).dims == (
+      muon.DimNums(0, 1))
+  assert muon.path_str((jax.tree_util.DictKey("norm"),
+                        jax.tree_util.DictKey("scale"),
+                        jax.tree_util.GetAttrKey("value"))) == "norm.scale"
+
+
+def test_format_table_lists_every_param_once():
+  params = _tree()
+  rows = muon.table_rows(params)
+  listed = [p for r in rows for p in r.paths]
+  assert sorted(listed) == sorted(_leaves(params))
+  assert len(set(listed)) == len(listed)
+  for r in rows:
+    assert all(tuple(_leaves(params)[p].shape) == r.shape for p in r.paths)
+  text = muon.format_table(params)
+  lines = text.splitlines()
+  assert len(lines) == len(rows) + 1
+  assert f"{len(listed)} params" in lines[0]
+  assert "layers.*.self_attn.q_b_proj.kernel [1]" in text
+  q_line = [ln for ln in lines if "layers.*.self_attn.q_proj.kernel [0,2]" in ln]
+  assert len(q_line) == 1 and "4x[16,8] *0.8 " in q_line[0], q_line
+  assert "mtp.layers.*.block_sparse_moe.experts.w1 [0]" in text
+
+
+def test_per_head_blocks_are_orthogonalised_and_scaled_per_block():
+  g = jax.random.normal(jax.random.key(0), (D_MODEL, H, D))
+  u = _first_update("layers.0.self_attn.q_proj.kernel", g)
+  scale = 0.2 * np.sqrt(max(D_MODEL, D))  # per block A x B = d x D, not d x HD
+  for h in range(H):
+    sv = np.linalg.svd(-u[:, h, :] / scale, compute_uv=False)
+    assert sv.min() > 0.6 and sv.max() < 1.25, sv
+    assert sv.max() / sv.min() < 1.7, sv
+    np.testing.assert_allclose(-u[:, h, :], scale * _ns5_oracle(g[:, h, :]),
+                               rtol=2e-4, atol=2e-5)
+  ge = jax.random.normal(jax.random.key(1), (E, L, M))
+  ue = _first_update("layers.1.block_sparse_moe.experts.w1", ge)
+  for e in range(E):
+    np.testing.assert_allclose(
+        -ue[e], 0.2 * np.sqrt(max(L, M)) * _ns5_oracle(ge[e]),
+        rtol=2e-4, atol=2e-5)
+  go = jax.random.normal(jax.random.key(2), (H, D, D_MODEL))
+  uo = _first_update("layers.0.self_attn.o_proj.kernel", go)
+  want = 0.2 * np.sqrt(H * D) * _ns5_oracle(go.reshape(H * D, D_MODEL))
+  np.testing.assert_allclose(-uo.reshape(H * D, D_MODEL), want, rtol=2e-4,
+                             atol=2e-5)
+
+
+def test_small_gradient_head_per_head_vs_whole():
+  g = jax.random.normal(jax.random.key(3), (D_MODEL, H, D))
+  g = g.at[:, 1, :].multiply(0.01)
+  path = "layers.0.self_attn.k_proj.kernel"
+  per_head = _first_update(path, g, "per_head")
+  whole = _first_update(path, g, "whole")
+  rms_ph = [_rms(per_head[:, h]) for h in range(H)]
+  rms_wh = [_rms(whole[:, h]) for h in range(H)]
+  others = [h for h in range(H) if h != 1]
+  assert rms_ph[1] > 0.9 * min(rms_ph[h] for h in others), rms_ph
+  assert rms_wh[1] < 0.1 * min(rms_wh[h] for h in others), rms_wh
+
+
+def test_one_head_matches_optax_muon_2d():
+  path = "layers.1.self_attn.kv_b_proj.kernel"
+  w0 = jax.random.normal(jax.random.key(4), (KR, 1, DN + DV))
+  tx = muon.per_head_muon(0.02)
+  ref = optax.contrib.muon(0.02, weight_decay=0.1, consistent_rms=0.2)
+  p, q = _single(path, w0), {"w": w0[:, 0, :]}
+  sp, sq = tx.init(p), ref.init(q)
+  tx_update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+  for i in range(3):
+    g = jax.random.normal(jax.random.key(10 + i), w0.shape)
+    up, sp = tx_update(_single(path, g), sp, p)
+    uq, sq = ref_update({"w": g[:, 0, :]}, sq, q)
+    np.testing.assert_allclose(_get(up, path)[:, 0, :], uq["w"], rtol=1e-6,
+                               atol=1e-7)
+    p, q = optax.apply_updates(p, up), optax.apply_updates(q, uq)
+
+
+@pytest.mark.parametrize("path,shape,decay", [
+    ("embed_tokens.embedding", (V, D_MODEL), 0.1),
+    ("layers.0.self_attn.q_conv1d.kernel", (W, H * D), 0.1),
+    ("norm.scale", (D_MODEL,), 0.0),
+    ("layers.0.self_attn.A_log", (H,), 0.0),
+    ("layers.0.mlp_res_proj.kernel", (D_MODEL,), 0.0),
+])
+def test_adamw_leaves_match_optax_adamw(path, shape, decay):
+  sched = muon.cosine_schedule(3e-3, 10)
+  w0 = 1.0 + jax.random.normal(jax.random.key(5), shape)
+  tx = muon.per_head_muon(sched)
+  ref = optax.adamw(sched, b1=0.9, b2=0.95, eps=1e-8, weight_decay=decay)
+  p, q = _single(path, w0), w0
+  sp, sq = tx.init(p), ref.init(q)
+  for i in range(3):
+    g = jax.random.normal(jax.random.key(20 + i), shape)
+    up, sp = tx.update(_single(path, g), sp, p)
+    uq, sq = ref.update(g, sq, q)
+    np.testing.assert_array_equal(_get(up, path), uq)
+    p, q = optax.apply_updates(p, up), optax.apply_updates(q, uq)
+
+
+def test_full_tree_traces_under_jit():
+  """Tracing the whole K3 tree under jit (no host sync); compiling is slow."""
+  params = _tree()
+  tx = muon.per_head_muon(muon.cosine_schedule(1e-2, 100),
+                          params_for_dims=params)
+  state = tx.init(params)
+  updates, new_state = jax.eval_shape(jax.jit(tx.update), params, state, params)
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
+    assert u.shape == p.shape and u.dtype == p.dtype
+  bad = dict(params, lm_head={"kernel": jnp.zeros((D_MODEL, V + 1))})
+  with pytest.raises(ValueError, match="shape"):
+    jax.eval_shape(tx.update, bad, state, bad)
+
+
+def test_frozen_router_bias_gets_no_update():
+  moe = {"gate": {"kernel": jnp.ones((D_MODEL, E)),
+                  "e_score_correction_bias": jnp.ones(E)},
+         "routed_expert_norm": {"scale": jnp.ones(L)}}
+  params = {"layers": {1: {"block_sparse_moe": moe}}}
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+  tx = muon.per_head_muon(1e-2)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  u = updates["layers"][1]["block_sparse_moe"]
+  np.testing.assert_array_equal(u["gate"]["e_score_correction_bias"], 0.0)
+  assert np.all(u["gate"]["kernel"] != 0)
+  assert np.all(u["routed_expert_norm"]["scale"] != 0)
+
+
+def test_nnx_state_paths():
+  """An nnx.State (leaves under `.value`) resolves like the pure dict."""
+  from flax import nnx
+
+  class Attn(nnx.Module):
+    def __init__(self):
+      self.q_proj = nnx.Dict(kernel=nnx.Param(jnp.ones((D_MODEL, H, D))))
+      self.o_norm = nnx.Dict(scale=nnx.Param(jnp.ones(D)))
+
+  _, state = nnx.split(Attn(), nnx.Param)
+  g = jax.tree.map(lambda x: x * jnp.arange(x.size).reshape(x.shape), state)
+  tx = muon.per_head_muon(1.0, weight_decay=0.0)
+  u, _ = jax.jit(tx.update)(g, tx.init(state), state)
+  gq = g["q_proj"]["kernel"][...]
+  want = _first_update("q_proj.kernel", gq)
+  np.testing.assert_allclose(u["q_proj"]["kernel"][...], want, rtol=1e-6)
+  assert [r.treatment for r in muon.table_rows(state)] == [
+      muon.ADAMW_NO_DECAY, muon.MUON_PER_HEAD]
+
+
+@jax.jit
+def _mla_logits(q_b, kv_b, c_q, c_kv, k_rope):
+  """Per-head max logit of gated-NoPE MLA; c_q [T, qr], c_kv [T, kr], k_rope [T, dr]."""
+  q = jnp.einsum("tr,rhx->thx", c_q, q_b)
+  kv = jnp.einsum("tr,rhx->thx", c_kv, kv_b)
+  k = jnp.concatenate(
+      [kv[..., :DN], jnp.broadcast_to(k_rope[:, None], (k_rope.shape[0], H, DR))],
+      axis=-1)
+  s = jnp.einsum("thx,shx->hts", q, k) * (DN + DR) ** -0.5
+  return s.max(axis=(1, 2)), kv[..., DN:]
+
+
+def test_qk_clip_bounds_the_logits():
+  tau = 5.0
+  ks = jax.random.split(jax.random.key(6), 6)
+  c_q = jax.random.normal(ks[0], (7, QR))
+  c_kv = jax.random.normal(ks[1], (7, KR))
+  k_rope = jax.random.normal(ks[2], (7, DR))
+  q_b = 0.2 * jax.random.normal(ks[3], (QR, H, DN + DR))
+  kv_b = 0.2 * jax.random.normal(ks[4], (KR, H, DN + DV))
+  s0, _ = _mla_logits(q_b, kv_b, c_q, c_kv, k_rope)
+  assert float(s0.max()) < tau
+  q_b = q_b.at[:, 2].multiply(jnp.sqrt(10 * tau / s0[2]))  # head 2: 10 tau
+  kv_b = kv_b.at[:, 2, :DN].multiply(jnp.sqrt(10 * tau / s0[2]))
+  q_b = q_b.at[:, 2, DN:].multiply(jnp.sqrt(10 * tau / s0[2]))
+  s1, v1 = _mla_logits(q_b, kv_b, c_q, c_kv, k_rope)
+  np.testing.assert_allclose(s1[2], 10 * tau, rtol=1e-5)
+  kv_a = jax.random.normal(ks[5], (D_MODEL, KR + DR))
+  params = {"layers": {1: {"self_attn": {
+      "q_b_proj": {"kernel": q_b}, "kv_b_proj": {"kernel": kv_b},
+      "kv_a_proj_with_mqa": {"kernel": kv_a}}}}}
+  clip = jax.jit(lambda p, m: muon.qk_clip(
+      p, m, tau=tau, qk_nope_head_dim=DN, qk_rope_head_dim=DR))
+  out = clip(params, {"layers.1.self_attn": s1})
+  attn = out["layers"][1]["self_attn"]
+  s2, v2 = _mla_logits(attn["q_b_proj"]["kernel"], attn["kv_b_proj"]["kernel"],
+                       c_q, c_kv, k_rope)
+  assert float(s2[2]) <= tau * (1 + 1e-4)
+  np.testing.assert_allclose(s2[2], tau, rtol=1e-4)
+  others = [h for h in range(H) if h != 2]
+  np.testing.assert_array_equal(s2[jnp.array(others)], s1[jnp.array(others)])
+  np.testing.assert_array_equal(v2, v1)
+  np.testing.assert_array_equal(attn["kv_a_proj_with_mqa"]["kernel"], kv_a)
+  np.testing.assert_array_equal(attn["q_b_proj"]["kernel"][:, others],
+                                q_b[:, others])
+
+
+def test_cosine_schedule():
+  s = muon.cosine_schedule(1.0, 1000)
+  assert float(s(0)) == 0.0
+  np.testing.assert_allclose(s(10), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(s(1000), 0.1, rtol=1e-5)
+  vals = np.array([s(t) for t in range(10, 1001, 99)])
+  assert np.all(np.diff(vals) < 0)
+
+
+def test_bad_inputs():
+  with pytest.raises(ValueError, match="mode"):
+    muon.per_head_muon(1e-3, mode="heads")
+  with pytest.raises(ValueError, match="mode"):
+    muon.muon_dimension_numbers(_tree(), mode="x")
+  with pytest.raises(ValueError, match="warmup_frac"):
+    muon.cosine_schedule(1.0, 100, warmup_frac=1.0)
+  params = {"a": {"q_b_proj": {"kernel": jnp.ones((QR, H, DN + DR))},
+                  "kv_b_proj": {"kernel": jnp.ones((KR, H, DN + DV))}}}
+  kw = dict(qk_nope_head_dim=DN, qk_rope_head_dim=DR)
+  with pytest.raises(ValueError, match="tau"):
+    muon.qk_clip(params, {"a": jnp.ones(H)}, tau=0.0, **kw)
+  with pytest.raises(ValueError, match="lack"):
+    muon.qk_clip(params, {"b": jnp.ones(H)}, tau=1.0, **kw)
+  with pytest.raises(ValueError, match="shape"):
+    muon.qk_clip(params, {"a": jnp.ones(H + 1)}, tau=1.0, **kw)
+  with pytest.raises(ValueError, match="qk_rope_head_dim"):
+    muon.qk_clip(params, {"a": jnp.ones(H)}, tau=1.0, qk_nope_head_dim=DN,
+                 qk_rope_head_dim=DR + 1)
+
+
+_SHARDED = textwrap.dedent("""
+  import re
+  import k3jax, jax, jax.numpy as jnp, numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from k3jax import muon
+  mesh = Mesh(np.array(jax.devices()), ("heads",))
+  def step(spec, mode):
+    sh = NamedSharding(mesh, spec)
+    g = jax.random.normal(jax.random.key(0), (16, 8, 4))
+    p = {"attn": {"q_proj": {"kernel": jax.device_put(jnp.ones_like(g), sh)}}}
+    gs = {"attn": {"q_proj": {"kernel": jax.device_put(g, sh)}}}
+    tx = muon.per_head_muon(0.1, mode=mode)
+    st = tx.init(p)
+    f = jax.jit(tx.update)
+    hlo = f.lower(gs, st, p).compile().as_text()
+    colls = set(re.findall(r"all-gather|all-reduce|all-to-all|reduce-scatter"
+                           r"|collective-permute", hlo))
+    u, st2 = f(gs, st, p)
+    host = {"attn": {"q_proj": {"kernel": jnp.ones_like(g)}}}
+    uh, _ = tx.update({"attn": {"q_proj": {"kernel": g}}}, tx.init(host), host)
+    np.testing.assert_allclose(u["attn"]["q_proj"]["kernel"],
+                               uh["attn"]["q_proj"]["kernel"], rtol=1e-5,
+                               atol=1e-6)
+    specs = {x.sharding.spec for x in jax.tree.leaves((u, st, st2))
+             if x.ndim == 3}
+    return sorted(colls), specs
+  colls, specs = step(P(None, "heads", None), "per_head")
+  assert colls == [] and specs == {P(None, "heads", None)}, (colls, specs)
+  colls, specs = step(P(None, "heads", None), "whole")
+  assert colls and specs == {P(None, "heads", None)}, (colls, specs)
+  colls, _ = step(P("heads", None, None), "per_head")
+  assert colls, colls
+  print("OK")
+""")
+
+
+def test_sharded_heads_need_no_collectives():
+  """4 host devices: heads sharded -> per-head NS has no collectives."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, cwd=root,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
