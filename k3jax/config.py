@@ -3,6 +3,7 @@
 Every error names the offending field (`model.kda.num_heads`) and what is allowed.
 """
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -143,6 +144,17 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+  """A config saved by training (`WORKDIR/config.json`), with lists turned back into tuples."""
+  def tuples(x):
+    if isinstance(x, dict):
+      return {k: tuples(v) for k, v in x.items()}
+    if isinstance(x, list):
+      return tuple(tuples(v) for v in x)
+    return x
+  return validate(ml_collections.ConfigDict(tuples(json.loads(text))))
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:

@@ -2,6 +2,7 @@
 
 Everything numerical lives in `k3jax.train`; this file moves data in and metrics out.
 """
+import json
 import os
 import time
 
@@ -22,9 +23,16 @@ def _place(batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str,
-        profile_window: tuple[int, int] | None = None) -> dict[str, float]:
-  """Trains `cfg` in `workdir` (resuming if it holds checkpoints); returns the last metrics."""
+        profile_window: tuple[int, int] | None = None) -> list[dict[str, float]]:
+  """Trains `cfg` in `workdir`, resuming if it holds checkpoints.
+
+  Returns the metrics logged by this invocation (every `train.log_every` steps), which are also
+  appended to WORKDIR/metrics.jsonl and written as TensorBoard scalars.
+  """
   os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(cfg.to_json(indent=2))
   t = cfg.train
   if t.global_batch_size % jax.process_count():
     raise ValueError(f"config field `train.global_batch_size`: {t.global_batch_size} is not "
@@ -68,7 +76,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   tokens_per_step = t.global_batch_size * t.seq_len
   bar = tqdm.tqdm(total=t.steps, initial=start, dynamic_ncols=True,
                   disable=jax.process_index() != 0)
-  metrics, last = {}, {}
+  metrics, history = {}, []
   window_t0, window_steps = time.perf_counter(), 0
   tracing = False
   for step in range(start, t.steps):
@@ -92,10 +100,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
       window_t0, window_steps = time.perf_counter(), 0
       bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:.0f}",
                       mfu=f"{100 * last['mfu']:.2f}%")
+      last["step"] = done
+      history.append(last)
       if writer is not None:
         for k, v in last.items():
           writer.add_scalar(k, v, done)
         writer.flush()
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+          f.write(json.dumps(last) + "\n")
     bar.update(1)
     ckpt.save(done, state, data_iter, force=done == t.steps or ckpt.should_stop())
     if ckpt.should_stop():
@@ -108,4 +120,4 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   ckpt.close()
   if writer is not None:
     writer.close()
-  return last
+  return history

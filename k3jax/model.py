@@ -63,14 +63,29 @@ class DecoderLayer(nnx.Module):
       self.self_attention_res_norm, self.self_attention_res_proj = attn_res.pseudo_query(d, rngs=rngs)
       self.mlp_res_norm, self.mlp_res_proj = attn_res.pseudo_query(d, rngs=rngs)
 
-  def token_mixer(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array
-                  ) -> tuple[jax.Array, dict[str, Any]]:
+  def token_mixer(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+                  cache: dict | None = None) -> tuple[jax.Array, dict[str, Any], dict | None]:
+    """Norm then KDA or gated MLA. With `cache` (inference), also returns the updated cache."""
     h = self.input_layernorm(x)
     if self.kind == "kda":
-      y, _ = self.self_attn(h, segment_ids=segment_ids)
-      return y, {}
-    y, max_logit = self.self_attn(h, segment_ids=segment_ids, positions=positions)
-    return y, {"mla_max_logit": max_logit}
+      y, new_cache = self.self_attn(h, segment_ids=None if cache else segment_ids, cache=cache)
+      return y, {}, new_cache
+    if cache is None:
+      y, max_logit = self.self_attn(h, segment_ids=segment_ids, positions=positions)
+      return y, {"mla_max_logit": max_logit}, None
+    latent = jax.lax.dynamic_update_slice_in_dim(
+        cache["latent"], self.self_attn.latent(h).astype(cache["latent"].dtype),
+        positions[0, 0], axis=1)
+    slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
+    mask = (slots[None, None, None, :] <= positions[:, None, :, None])
+    return self.self_attn.decode(h, latent, mask), {}, {"latent": latent}
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    """KDA: recurrent state + conv caches; MLA: the latent cache [B, max_len, kr + dr]."""
+    if self.kind == "kda":
+      return self.self_attn.init_cache(batch)
+    a = self.self_attn
+    return {"latent": jnp.zeros((batch, max_len, a.kr + a.dr), a.dtype)}
 
   def ffn(self, x: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
     h = self.post_attention_layernorm(x)
@@ -80,27 +95,27 @@ class DecoderLayer(nnx.Module):
     return self.mlp(h), {}
 
 
-def _layer_residual(layer: DecoderLayer, x, segment_ids, positions):
+def _layer_residual(layer: DecoderLayer, x, segment_ids, positions, cache=None):
   """Pre-norm residual stream: x + attn(norm x), then + ffn(norm x)."""
-  y, aux_a = layer.token_mixer(x, segment_ids, positions)
+  y, aux_a, cache = layer.token_mixer(x, segment_ids, positions, cache)
   x = x + y.astype(x.dtype)
   y, aux_f = layer.ffn(x)
-  return x + y.astype(x.dtype), {**aux_a, **aux_f}
+  return x + y.astype(x.dtype), {**aux_a, **aux_f}, cache
 
 
 def _layer_attn_res(layer: DecoderLayer, blocks: list, partial, segment_ids, positions,
-                    block_size: int):
+                    block_size: int, cache=None):
   """One layer of Block AttnRes (k3_techniques.md §3, exact K3 wiring)."""
   h = attn_res.mix(blocks + [partial], layer.self_attention_res_norm,
                    layer.self_attention_res_proj, layer.eps) if blocks else partial
   if layer.index % block_size == 0:
     blocks = blocks + [partial]
     partial = jnp.zeros_like(partial)
-  y, aux_a = layer.token_mixer(h, segment_ids, positions)
+  y, aux_a, cache = layer.token_mixer(h, segment_ids, positions, cache)
   partial = partial + y.astype(partial.dtype)
   h = attn_res.mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj, layer.eps)
   y, aux_f = layer.ffn(h)
-  return blocks, partial + y.astype(partial.dtype), {**aux_a, **aux_f}
+  return blocks, partial + y.astype(partial.dtype), {**aux_a, **aux_f}, cache
 
 
 class K3ForCausalLM(nnx.Module):
@@ -132,31 +147,53 @@ class K3ForCausalLM(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                    positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
-    """tokens [B, T] -> (final normed hidden [B, T, d], aux per layer index)."""
+                    positions: jax.Array | None = None, cache: dict | None = None
+                    ) -> tuple[jax.Array, dict[str, Any], dict | None]:
+    """tokens [B, T] -> (final normed hidden [B, T, d], aux per layer index, new cache).
+
+    With `cache` (from `init_cache`), the T tokens continue the cached sequence at
+    `cache["index"]` (prefill or decode) and the updated cache is returned; else None.
+    """
     b, t = tokens.shape
+    if cache is not None:
+      positions = cache["index"] + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    layer_caches = [None] * len(self.layers) if cache is None else cache["layers"]
+    new_caches = []
     x = self.embed(tokens)
     aux = {}
     if self.block_size:
       fn = nnx.remat(_layer_attn_res, static_argnums=(5,)) if self.remat else _layer_attn_res
       blocks, partial = [], x
-      for layer in self.layers:
-        blocks, partial, aux[layer.index] = fn(layer, blocks, partial, segment_ids, positions,
-                                               self.block_size)
+      for layer, lc in zip(self.layers, layer_caches):
+        blocks, partial, aux[layer.index], lc = fn(layer, blocks, partial, segment_ids,
+                                                   positions, self.block_size, lc)
+        new_caches.append(lc)
       x = attn_res.mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj,
                        self.cfg.rms_norm_eps)
     else:
       fn = nnx.remat(_layer_residual) if self.remat else _layer_residual
-      for layer in self.layers:
-        x, aux[layer.index] = fn(layer, x, segment_ids, positions)
-    return self.norm(x), aux
+      for layer, lc in zip(self.layers, layer_caches):
+        x, aux[layer.index], lc = fn(layer, x, segment_ids, positions, lc)
+        new_caches.append(lc)
+    new_cache = None if cache is None else {"index": cache["index"] + t, "layers": new_caches}
+    return self.norm(x), aux, new_cache
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """tokens [B, T] -> (logits [B, T, V] fp32, aux)."""
-    h, aux = self.hidden_states(tokens, segment_ids, positions)
+    h, aux, _ = self.hidden_states(tokens, segment_ids, positions)
     return self.logits(h), aux
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    """The dual cache (report §5.4): KDA states and conv tails, MLA latents of 576 a token."""
+    return {"index": jnp.zeros((), jnp.int32),
+            "layers": [layer.init_cache(batch, max_len) for layer in self.layers]}
+
+  def extend(self, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Prefill or decode: logits [B, T, V] of `tokens` continuing `cache`, and the new cache."""
+    h, _, cache = self.hidden_states(tokens, cache=cache)
+    return self.logits(h), cache

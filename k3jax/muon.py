@@ -361,7 +361,7 @@ def qk_clip(params: Any, max_logits: dict[str, jax.Array], *, tau: float,
     params: pytree with `{prefix}.q_b_proj.kernel` (or `q_proj`) [r, H, dn+dr]
       and `{prefix}.kv_b_proj.kernel` [kr, H, dn+dv].
     max_logits: MLA layer path prefix (e.g. "layers.3.self_attn") -> [H].
-    tau: logit cap (K2: 100).
+    tau: logit cap, a Python float (K2: 100).
     qk_nope_head_dim: dn.
     qk_rope_head_dim: dr.
 

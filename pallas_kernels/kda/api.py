@@ -85,7 +85,8 @@ def chunk_kda(
   scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
-  if gate_bound is not None and not chunked.MIN_GATE_BOUND <= gate_bound <= 0:
+  if gate_bound is not None and not (isinstance(gate_bound, (int, float))
+                                     and chunked.MIN_GATE_BOUND <= gate_bound <= 0):
     raise ValueError(f"gate_bound must be None or a float in [{chunked.MIN_GATE_BOUND}, 0], "
                      f"got {gate_bound!r}; use None for gates that can go below "
                      f"{chunked.MIN_GATE_BOUND}")

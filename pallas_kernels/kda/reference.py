@@ -79,3 +79,45 @@ def recurrent_kda(
 
   s, o = jax.lax.scan(step, s0, xs)
   return jnp.moveaxis(o, 0, 1).astype(q.dtype), s
+
+
+def example_inputs(key: jax.Array, b: int, t: int, h: int, dk: int, dv: int, *,
+                   gate: str, with_initial_state: bool,
+                   dtype=jnp.float32) -> dict[str, jax.Array | None]:
+  """Random KDA inputs shaped like a layer's, for tests and benchmarks.
+
+  q, k are L2-normalised (report §4); beta = sigmoid(N(0, 1)). gate="bounded"
+  is K3's gate g = -5 sigmoid(x) (fla `naive_kda_lowerbound_gate`, A_log = 0);
+  gate="unbounded" is Kimi Linear's g = -exp(A) softplus(x + 1) (fla
+  `naive_kda_gate`) with 1% of entries set to -1000, like the -1736 outliers
+  Kimi Linear's layer 0 produces (kda.md §2.2). h0 ~ N(0, 1) or None.
+
+  Values are drawn in fp32 (the same under jax_enable_x64) and cast to dtype.
+
+  Returns:
+    dict of q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H];
+    h0 [B, H, K, V] (fp32) or None.
+  """
+  keys = jax.random.split(key, 8)
+
+  def unit(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+  f32 = jnp.float32
+  logits = jax.random.normal(keys[3], (b, t, h, dk), f32)
+  if gate == "bounded":
+    g = -5.0 * jax.nn.sigmoid(logits)
+  elif gate == "unbounded":
+    a = jax.random.uniform(keys[4], (h, dk), f32, maxval=1.5)
+    g = -jnp.exp(a) * jax.nn.softplus(logits + 1)
+    g = jnp.where(jax.random.bernoulli(keys[5], 0.01, g.shape), -1000.0, g)
+  else:
+    raise ValueError(f"gate must be 'bounded' or 'unbounded', got {gate!r}")
+  x = dict(q=unit(jax.random.normal(keys[0], (b, t, h, dk), f32)),
+           k=unit(jax.random.normal(keys[1], (b, t, h, dk), f32)),
+           v=jax.random.normal(keys[2], (b, t, h, dv), f32),
+           g=g,
+           beta=jax.nn.sigmoid(jax.random.normal(keys[6], (b, t, h), f32)))
+  x = {name: a.astype(dtype) for name, a in x.items()}
+  x["h0"] = (jax.random.normal(keys[7], (b, h, dk, dv), f32) if with_initial_state else None)
+  return x

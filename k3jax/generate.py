@@ -1,0 +1,195 @@
+"""Autoregressive sampling over the dual cache (report §5.4), and loading a trained model.
+
+`generate` prefills the prompt with one `K3ForCausalLM.extend` call (KDA states and conv
+tails, MLA latents), then decodes one token a step inside a `jax.lax.while_loop` of one
+jit-compiled program (`nnx.jit`); each step feeds the last token through `extend` (absorbed MLA over
+the latent cache, the KDA recurrence from its state) and samples with `sample_logits`.
+"""
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+import k3jax  # noqa: F401  (turns off eager sharding before parameters are created)
+from k3jax import checkpoint
+from k3jax import config as config_lib
+from k3jax.model import K3ForCausalLM
+
+_REASON_CHARS = 400
+
+
+def _check_sampling(temperature: float, top_p: float) -> None:
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+      math.isfinite(temperature) and temperature >= 0):
+    raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+  if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float,
+                  top_p: float = 1.0) -> jax.Array:
+  """Next tokens [B] int32 from logits [B, V].
+
+  temperature 0: argmax (greedy; `key` unused). Otherwise softmax(logits / temperature)
+  restricted to the nucleus, the smallest set of most probable tokens whose mass is
+  >= top_p (always at least the most probable token), renormalised.
+  """
+  _check_sampling(temperature, top_p)
+  if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"logits must be a floating [B, V] array, got shape {logits.shape} "
+                     f"dtype {logits.dtype}")
+  if temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits.astype(jnp.float32) / temperature
+  if top_p == 1:
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+  order = jnp.argsort(-scaled, axis=-1)  # most probable first
+  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = mass_before < top_p  # token i is needed while the mass before it is short of top_p
+  pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_p",
+                                             "eos_id"))
+def _generate(model: K3ForCausalLM, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
+              temperature: float, top_p: float, eos_id: int | None
+              ) -> tuple[jax.Array, jax.Array]:
+  """Prefill + decode loop; returns (tokens [B, T0 + max_new_tokens], steps taken)."""
+  b, t0 = prompt.shape
+  total = t0 + max_new_tokens
+  out = jnp.zeros((b, total), jnp.int32).at[:, :t0].set(prompt)
+
+  def emit(logits, i, done, out):
+    """Samples token i (0-based among the new ones) from logits [B, V]; finished rows: eos."""
+    tok = sample_logits(logits, jax.random.fold_in(key, i), temperature=temperature, top_p=top_p)
+    if eos_id is not None:
+      tok = jnp.where(done, eos_id, tok)
+      done = done | (tok == eos_id)
+    return tok, done, out.at[:, t0 + i].set(tok)
+
+  logits, cache = model.extend(prompt, model.init_cache(b, total))
+  tok, done, out = emit(logits[:, -1], 0, jnp.zeros((b,), bool), out)
+
+  def cond(carry):
+    i, _, done, _, _ = carry
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    i, tok, done, out, cache = carry
+    logits, cache = model.extend(tok[:, None], cache)
+    tok, done, out = emit(logits[:, 0], i, done, out)
+    return i + 1, tok, done, out, cache
+
+  n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, done, out, cache))
+  return out, n
+
+
+def generate(model: K3ForCausalLM, prompt_tokens: jax.Array | np.ndarray, *, max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             eos_id: int | None = None) -> np.ndarray:
+  """Continues every row of prompt_tokens [B, T0] int32; returns tokens [B, T0 + n].
+
+  n <= max_new_tokens: decoding stops early once every row has emitted `eos_id`; a row
+  that finished keeps emitting `eos_id` until then. All rows share one cache position,
+  so prompts in a batch have the same length (no padding). One compiled program per
+  (shape, max_new_tokens, temperature, top_p, eos_id); sampling is a function of `seed`.
+  """
+  prompt = np.asarray(prompt_tokens)
+  vocab = model.cfg.vocab_size
+  if prompt.ndim != 2 or prompt.shape[1] == 0 or not np.issubdtype(prompt.dtype, np.integer):
+    raise ValueError(f"prompt_tokens must be an integer [B, T0] array with T0 >= 1, got shape "
+                     f"{prompt.shape} dtype {prompt.dtype}")
+  if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab):
+    raise ValueError(f"prompt_tokens must lie in [0, vocab_size={vocab}), got ids in "
+                     f"[{prompt.min()}, {prompt.max()}]")
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+  _check_sampling(temperature, top_p)
+  if eos_id is not None and not (isinstance(eos_id, int) and 0 <= eos_id < vocab):
+    raise ValueError(f"eos_id must be None or an integer in [0, vocab_size={vocab}), "
+                     f"got {eos_id!r}")
+  if not isinstance(seed, int) or not 0 <= seed < 2**32:
+    raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+  if max_new_tokens == 0:
+    return prompt.astype(np.int32)
+  out, n = _generate(model, jnp.asarray(prompt, jnp.int32), jax.random.key(seed),
+                     max_new_tokens=max_new_tokens, temperature=float(temperature),
+                     top_p=float(top_p), eos_id=eos_id)
+  return np.asarray(out)[:, :prompt.shape[1] + int(n)]
+
+
+def _abstract_model(cfg: ml_collections.ConfigDict) -> tuple[Any, dict, dict]:
+  """(graphdef, params, buffers) of the model with jax.ShapeDtypeStruct leaves on one device."""
+  abstract = nnx.eval_shape(lambda: K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0),
+                                                  kda_impl=cfg.kernels.kda_impl))
+  graphdef, params, buffers = nnx.split(abstract, nnx.Param, ...)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+  return (graphdef, jax.tree.map(on_device, nnx.to_pure_dict(params)),
+          jax.tree.map(on_device, nnx.to_pure_dict(buffers)))
+
+
+def load_model(workdir: str, step: int | None = None
+               ) -> tuple[K3ForCausalLM, ml_collections.ConfigDict, int]:
+  """The model trained in `workdir` (`launch.train`): (model, config, checkpoint step).
+
+  Reads WORKDIR/config.json and restores only `params` and `buffers` of the saved train
+  state (orbax partial restore; no optimizer state, no data iterator) onto the first
+  device. step None: the newest checkpoint that can be read (an unreadable one is
+  skipped with a warning; nothing in the workdir is changed).
+  """
+  config_path = os.path.join(workdir, "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f"{config_path} not found; is {workdir!r} a training workdir "
+                            "(python -m launch.train --workdir=...)?")
+  with open(config_path) as f:
+    cfg = config_lib.from_json(f.read())
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoints in {workdir!r}: {directory} does not exist")
+  manager = ocp.CheckpointManager(
+      directory, item_names=("state",),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+      raise FileNotFoundError(f"no checkpoints in {directory} (no finished step directory)")
+    if step is not None:
+      if step not in steps:
+        raise ValueError(f"step {step} has no checkpoint in {directory}; available steps: "
+                         f"{sorted(steps)}")
+      steps = [step]
+    graphdef, params, buffers = _abstract_model(cfg)
+    target = {"params": params, "buffers": buffers}
+    failures = []
+    for s in steps:
+      try:
+        restored = manager.restore(s, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)))
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        # orbax, tensorstore and json report a damaged step with many exception types.
+        reason = f"{type(e).__name__}: {e}"[:_REASON_CHARS]
+        logging.warning("checkpoint step %d in %s cannot be restored (%s)", s, directory, reason)
+        failures.append((s, reason))
+        continue
+      state = restored.state
+      return nnx.merge(graphdef, state["params"], state["buffers"]), cfg, s
+  finally:
+    manager.close()
+  details = "\n".join(f"  step {s}: {r}" for s, r in failures)
+  raise checkpoint.CheckpointRestoreError(
+      f"none of the checkpoints {[s for s, _ in failures]} in {directory} can be restored "
+      f"into the model of {config_path}:\n{details}")

@@ -1,0 +1,158 @@
+"""The K3 decoder against direct implementations of its formulas."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import attn_res, config, kda, situ
+from k3jax.model import K3ForCausalLM
+
+TINY = "experiments/configs/k3_tiny.py"
+
+
+def _tiny(**overrides):
+  base = {"model.num_layers": 4, "model.full_attn_layers": (2, 4), "model.attn_res_block_size": 2}
+  base.update(overrides)
+  return config.load(TINY, base)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  return K3ForCausalLM(_tiny().model, rngs=nnx.Rngs(0))
+
+
+def test_situ_is_bounded_and_swiglu_near_zero():
+  g = jnp.linspace(-1e4, 1e4, 101)
+  assert float(jnp.max(jnp.abs(situ.situ(g, g, 4.0, 25.0)))) <= 100.0
+  small = jnp.linspace(-1e-2, 1e-2, 11)
+  swiglu = jax.nn.silu(small) * small
+  np.testing.assert_allclose(situ.situ(small, small, 4.0, 25.0), swiglu, rtol=1e-4, atol=1e-9)
+
+
+def test_short_conv_matches_direct_sum_and_restarts_at_documents():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 9, 3)).astype(np.float32)
+  w = rng.normal(size=(4, 3)).astype(np.float32)
+  seg = np.array([[1] * 5 + [2] * 4, [1] * 9], np.int32)
+  y, tail = kda.short_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(seg))
+  ref = np.zeros_like(x)
+  for b in range(2):
+    for t in range(9):
+      for j in range(4):  # tap j reads x[t - j] with weight w[3 - j]
+        if t - j >= 0 and seg[b, t - j] == seg[b, t]:
+          ref[b, t] += x[b, t - j] * w[3 - j]
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(tail, x[:, -3:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["lower_bound", "softplus"])
+def test_forget_gate_forms(kind):
+  f = jnp.linspace(-30, 30, 64).reshape(1, 1, 2, 32)
+  a_log = jnp.array([0.0, 1.0])
+  dt = jnp.zeros((2, 32))
+  g = kda.forget_gate(f, a_log, dt, kind, -5.0)
+  a = jnp.exp(a_log)[:, None]
+  if kind == "lower_bound":
+    np.testing.assert_allclose(g, -5.0 * jax.nn.sigmoid(a * f), rtol=1e-6)
+    assert float(g.min()) >= -5.0 and float(g.max()) <= 0.0
+  else:
+    np.testing.assert_allclose(g, -a * jax.nn.softplus(f), rtol=1e-6)
+
+
+def test_attn_res_mix_matches_formula():
+  rng = np.random.default_rng(1)
+  v = [rng.normal(size=(2, 3, 8)).astype(np.float32) * s for s in (1.0, 10.0, 0.1)]
+  q = rng.normal(size=8).astype(np.float32)
+  gamma = rng.normal(size=8).astype(np.float32)
+  out = attn_res.attn_res_mix([jnp.asarray(x) for x in v], jnp.asarray(q), jnp.asarray(gamma), 1e-5)
+  for b in range(2):
+    for t in range(3):
+      keys = [x[b, t] / np.sqrt(np.mean(x[b, t] ** 2) + 1e-5) for x in v]
+      s = np.array([np.dot(k, gamma * q) for k in keys])
+      a = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+      np.testing.assert_allclose(out[b, t], sum(ai * x[b, t] for ai, x in zip(a, v)), rtol=1e-5)
+
+
+def test_block_attn_res_wiring_matches_eq10(tiny_model):
+  """Logits equal an independent implementation of Eq. 10 with explicit block sums."""
+  model = tiny_model
+  # Non-zero pseudo-queries so that the mixes are not uniform averages.
+  for i, layer in enumerate(model.layers):
+    for proj in (layer.self_attention_res_proj, layer.mlp_res_proj):
+      proj["kernel"][...] = jax.random.normal(jax.random.key(i), proj["kernel"].shape)
+  tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, 258)
+  logits, _ = model(tokens)
+
+  seg = jnp.ones((2, 12), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+  s = model.block_size
+  emb = model.embed(tokens)
+  outputs = []  # f_j of every sublayer, in order, tagged with its block
+  for layer in model.layers:
+    n = layer.index // s
+    done = [emb] + [sum(o for b, o in outputs if b == m) for m in range(n)]
+    if layer.index == 0:
+      h = emb
+    else:
+      prev_n = (layer.index - 1) // s
+      prev_done = [emb] + [sum(o for b, o in outputs if b == m) for m in range(prev_n)]
+      prev_partial = sum(o for b, o in outputs if b == prev_n)
+      h = attn_res.mix(prev_done + [prev_partial], layer.self_attention_res_norm,
+                       layer.self_attention_res_proj, layer.eps)
+    y, _, _ = layer.token_mixer(h, seg, pos)
+    outputs.append((n, y))
+    partial = sum(o for b, o in outputs if b == n)
+    h = attn_res.mix(done + [partial], layer.mlp_res_norm, layer.mlp_res_proj, layer.eps)
+    y, _ = layer.ffn(h)
+    outputs.append((n, y))
+  last = model.layers[-1].index // s
+  done = [emb] + [sum(o for b, o in outputs if b == m) for m in range(last)]
+  final = attn_res.mix(done + [sum(o for b, o in outputs if b == last)],
+                       model.output_attn_res_norm, model.output_attn_res_proj, 1e-5)
+  ref = model.logits(model.norm(final))
+  np.testing.assert_allclose(logits, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("block", [2, 0])
+def test_packed_documents_do_not_leak(block):
+  model = K3ForCausalLM(_tiny(**{"model.attn_res_block_size": block}).model, rngs=nnx.Rngs(1))
+  toks = jax.random.randint(jax.random.key(3), (1, 30), 0, 258)
+  seg = jnp.array([[1] * 13 + [2] * 17], jnp.int32)
+  pos = jnp.array([list(range(13)) + list(range(17))], jnp.int32)
+  packed, _ = model(toks, seg, pos)
+  first, _ = model(toks[:, :13])
+  second, _ = model(toks[:, 13:])
+  np.testing.assert_allclose(packed[:, :13], first, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(packed[:, 13:], second, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [2, 0])
+def test_prefill_then_decode_equals_full_forward(block):
+  """Dual cache: KDA state + conv tails, MLA latents with absorbed decoding. Tol 1e-4 (fp32)."""
+  model = K3ForCausalLM(_tiny(**{"model.attn_res_block_size": block}).model, rngs=nnx.Rngs(2))
+  toks = jax.random.randint(jax.random.key(4), (2, 20), 0, 258)
+  full, _ = model(toks)
+  cache = model.init_cache(2, 24)
+  outs = []
+  logits, cache = model.extend(toks[:, :11], cache)
+  outs.append(logits)
+  for t in range(11, 20):
+    logits, cache = model.extend(toks[:, t:t + 1], cache)
+    outs.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
+  assert int(cache["index"]) == 20
+  mla = [c for c in cache["layers"] if "latent" in c]
+  assert mla[0]["latent"].shape == (2, 24, 16 + 8)
+
+
+def test_parameter_paths_follow_hf_names(tiny_model):
+  flat = {".".join(str(k) for k in path) for path, _ in nnx.to_flat_state(nnx.state(tiny_model))}
+  for name in ["embed_tokens.embedding", "lm_head.kernel", "norm.scale",
+               "output_attn_res_proj.kernel", "layers.0.mlp.gate_proj.kernel",
+               "layers.0.self_attn.q_conv1d.kernel", "layers.0.self_attn.A_log",
+               "layers.0.self_attn.dt_bias", "layers.0.self_attn.f_b_proj.kernel",
+               "layers.1.self_attn.q_b_proj.kernel", "layers.1.self_attn.kv_a_proj_with_mqa.kernel",
+               "layers.1.block_sparse_moe.gate.e_score_correction_bias",
+               "layers.1.block_sparse_moe.experts.w1", "layers.1.mlp_res_proj.kernel"]:
+    assert name in flat, name
