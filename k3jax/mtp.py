@@ -10,7 +10,8 @@ hidden h_i with the embedding of the next token t_{i+1} and predicts t_{i+2}:
 h is the hidden the LM head sees (after the backbone's final `norm`), as vLLM's DeepSeek MTP
 reads it. The embedding table and the LM head belong to the main model and are not owned here.
 The block is `k3jax.model.DecoderLayer` built from `block_config`: a gated MLA token mixer, the
-config's FFN (Stable LatentMoE when it has experts) and a plain pre-norm residual (no AttnRes).
+config's FFN (Stable LatentMoE when it has experts) and the backbone's plain pre-norm residual
+step (`k3jax.model._layer_residual`, no AttnRes).
 Loss: L = L_main + lambda * CE(logits_i, t_{i+2}) (`model.mtp_loss_weight`, DeepSeek-V3: 0.3).
 """
 from typing import Any, Callable
@@ -37,15 +38,6 @@ def block_config(model_cfg: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.attn_res_block_size = 0
   c.first_k_dense_replace = 0
   return c
-
-
-def _block(layer: "model_lib.DecoderLayer", x: jax.Array, segment_ids: jax.Array,
-           positions: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-  """Pre-norm residual block: x + mixer(norm x), then + ffn(norm x)."""
-  y, aux_a = layer.token_mixer(x, segment_ids, positions)
-  x = x + y.astype(x.dtype)
-  y, aux_f = layer.ffn(x)
-  return x + y.astype(x.dtype), {**aux_a, **aux_f}
 
 
 class MTP(nnx.Module):
@@ -79,8 +71,8 @@ class MTP(nnx.Module):
     e = self.enorm(next_token_embeddings.astype(self.dtype))
     x = jnp.concatenate([e, self.hnorm(h.astype(self.dtype))], axis=-1)
     x = x @ self.eh_proj["kernel"][...].astype(self.dtype)
-    fn = nnx.remat(_block) if self.remat else _block
-    x, aux = fn(self.layer, x, segment_ids, positions)
+    fn = nnx.remat(model_lib._layer_residual) if self.remat else model_lib._layer_residual
+    x, aux, _ = fn(self.layer, x, segment_ids, positions)
     return self.norm(x), aux
 
 

@@ -13,8 +13,9 @@ B, T = 2, 12
 
 
 def _cfg():
-  return config.load(TINY, {"model.num_layers": 4, "model.full_attn_layers": (2, 4),
-                            "model.attn_res_block_size": 2}).model
+  """k3_tiny with a one-layer backbone (gated MLA, dense FFN) to keep compilation short."""
+  return config.load(TINY, {"model.num_layers": 1, "model.full_attn_layers": (1,),
+                            "model.attn_res_block_size": 0}).model
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,32 @@ def setup():
 
 
 def _forward(model, layer, batch):
-  h, _ = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"])
+  h, _, _ = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"])
   return layer(h, model.embed(batch["targets"]), batch["segment_ids"], batch["positions"]), h
 
 
-def test_parameter_paths_and_shapes(setup):
-  cfg, model, layer, batch, _, _ = setup
+@pytest.fixture(scope="module")
+def outputs(setup):
+  """One jitted forward + backward of the MTP loss through the backbone: (loss, extras, grads)."""
+  _, model, layer, batch, _, _ = setup
+  gdef_m, params_m, rest_m = nnx.split(model, nnx.Param, ...)
+  gdef_l, params_l, rest_l = nnx.split(layer, nnx.Param, ...)
+
+  def loss_fn(pm, pl):
+    m, lyr = nnx.merge(gdef_m, pm, rest_m), nnx.merge(gdef_l, pl, rest_l)
+    (hidden, aux), h = _forward(m, lyr, batch)
+    t2, m2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
+    loss, n = mtp.mtp_loss(m.logits, hidden, t2, m2)
+    return loss, {"hidden": hidden, "aux": aux, "h": h, "n": n}
+
+  (loss, extras), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))(
+      params_m, params_l)
+  return loss, extras, grads
+
+
+def test_parameter_paths_and_shapes(setup, outputs):
+  cfg, _, layer, _, _, _ = setup
+  _, extras, _ = outputs
   d = cfg.hidden_size
   flat = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
   assert flat["enorm.scale"] == (d,) and flat["hnorm.scale"] == (d,) and flat["norm.scale"] == (d,)
@@ -49,7 +70,7 @@ def test_parameter_paths_and_shapes(setup):
   assert "layer.self_attn.q_b_proj.kernel" in flat and "layer.self_attn.g_proj.kernel" in flat
   assert flat["layer.block_sparse_moe.experts.w1"][0] == cfg.moe.num_experts
   assert not any("res_proj" in k or "embed" in k.split(".")[0] or "lm_head" in k for k in flat)
-  (hidden, aux), _ = _forward(model, layer, batch)
+  hidden, aux = extras["hidden"], extras["aux"]
   assert hidden.shape == (B, T, d)
   assert aux["mla_max_logit"].shape == (cfg.mla.num_heads,)
   assert aux["moe"]["loads"].shape == (cfg.moe.num_experts,)
@@ -87,11 +108,10 @@ def _rms(x, g, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
 
-def test_loss_matches_direct_computation(setup):
+def test_loss_matches_direct_computation(setup, outputs):
   cfg, model, layer, batch, seg, tokens = setup
-  (hidden, _), h = _forward(model, layer, batch)
-  targets2, mask2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
-  loss, n = mtp.mtp_loss(model.logits, hidden, targets2, mask2)
+  loss, extras, _ = outputs
+  h, n = extras["h"], extras["n"]
 
   f64 = lambda a: np.asarray(a, np.float64)
   eps = cfg.rms_norm_eps
@@ -99,7 +119,7 @@ def test_loss_matches_direct_computation(setup):
   x = np.concatenate([_rms(emb, f64(layer.enorm.scale[...]), eps),
                       _rms(f64(h), f64(layer.hnorm.scale[...]), eps)], axis=-1)
   x = x @ f64(layer.eh_proj["kernel"][...])
-  o, _ = model_lib._layer_residual(layer.layer, jnp.asarray(x, jnp.float32),
+  o, _, _ = model_lib._layer_residual(layer.layer, jnp.asarray(x, jnp.float32),
                                    batch["segment_ids"], batch["positions"])
   logits = _rms(f64(o), f64(layer.norm.scale[...]), eps) @ f64(model.lm_head["kernel"][...])
   lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
@@ -109,24 +129,12 @@ def test_loss_matches_direct_computation(setup):
       if seg[b, i] == seg[b, i + 1] == seg[b, i + 2] != 0:
         total += lse[b, i] - logits[b, i, tokens[b, i + 2]]
         count += 1
-  assert int(n) == count == 14
+  assert int(n) == count == 17
   np.testing.assert_allclose(float(loss), total / count, rtol=2e-5)
 
 
-def test_gradients_reach_mtp_and_shared_parameters(setup):
-  cfg, model, layer, batch, _, _ = setup
-  gdef_m, params_m, rest_m = nnx.split(model, nnx.Param, ...)
-  gdef_l, params_l, rest_l = nnx.split(layer, nnx.Param, ...)
-
-  @jax.jit
-  def loss_fn(pm, pl):
-    m = nnx.merge(gdef_m, pm, rest_m)
-    lyr = nnx.merge(gdef_l, pl, rest_l)
-    (hidden, _), _ = _forward(m, lyr, batch)
-    t2, m2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
-    return mtp.mtp_loss(m.logits, hidden, t2, m2)[0]
-
-  gm, gl = jax.grad(loss_fn, argnums=(0, 1))(params_m, params_l)
+def test_gradients_reach_mtp_and_shared_parameters(outputs):
+  _, _, (gm, gl) = outputs
   norm = lambda v: float(jnp.linalg.norm(v[...]))
   for path in (("eh_proj", "kernel"), ("enorm", "scale"), ("hnorm", "scale"), ("norm", "scale"),
                ("layer", "self_attn", "q_b_proj", "kernel"),
@@ -139,7 +147,7 @@ def test_gradients_reach_mtp_and_shared_parameters(setup):
     assert norm(node) > 0, path
   assert norm(gm["lm_head"]["kernel"]) > 0
   assert norm(gm["embed_tokens"]["embedding"]) > 0
-  assert norm(gm["layers"][0]["self_attn"]["q_proj"]["kernel"]) > 0  # through h
+  assert norm(gm["layers"][0]["self_attn"]["q_b_proj"]["kernel"]) > 0  # through h
 
 
 def test_block_config_and_bad_inputs(setup):
@@ -147,7 +155,7 @@ def test_block_config_and_bad_inputs(setup):
   c = mtp.block_config(cfg)
   assert (c.num_layers, tuple(c.full_attn_layers), c.attn_res_block_size,
           c.first_k_dense_replace) == (1, (1,), 0, 0)
-  assert cfg.num_layers == 4  # the model config is not changed
+  assert cfg.full_attn_layers == (1,) and cfg.first_k_dense_replace == 1  # unchanged
   assert layer.layer.kind == "mla" and layer.layer.is_moe and not layer.layer.attn_res
   h = jnp.zeros((B, T, cfg.hidden_size))
   with pytest.raises(ValueError, match="next_token_embeddings"):

@@ -8,6 +8,8 @@ This is fla-core 0.6.0 `naive_recurrent_kda`. A segment boundary (segment_ids
 changes from token t-1 to token t) zeroes the state before token t.
 """
 import functools
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +83,8 @@ def recurrent_kda(
   return jnp.moveaxis(o, 0, 1).astype(q.dtype), s
 
 
+@functools.partial(jax.jit, static_argnames=("b", "t", "h", "dk", "dv", "gate",
+                                             "with_initial_state", "dtype"))
 def example_inputs(key: jax.Array, b: int, t: int, h: int, dk: int, dv: int, *,
                    gate: str, with_initial_state: bool,
                    dtype=jnp.float32) -> dict[str, jax.Array | None]:
@@ -98,26 +102,27 @@ def example_inputs(key: jax.Array, b: int, t: int, h: int, dk: int, dv: int, *,
     dict of q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H];
     h0 [B, H, K, V] (fp32) or None.
   """
-  keys = jax.random.split(key, 8)
+  shapes = dict(q=(b, t, h, dk), k=(b, t, h, dk), v=(b, t, h, dv), g=(b, t, h, dk),
+                beta=(b, t, h), h0=(b, h, dk, dv))
+  sizes = [math.prod(shape) for shape in shapes.values()]
+  key_normal, key_uniform = jax.random.split(key)
+  flat = jnp.split(jax.random.normal(key_normal, (sum(sizes),), jnp.float32),
+                   list(itertools.accumulate(sizes))[:-1])
+  n = {name: x.reshape(shape) for (name, shape), x in zip(shapes.items(), flat)}
 
   def unit(x):
     return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
 
-  f32 = jnp.float32
-  logits = jax.random.normal(keys[3], (b, t, h, dk), f32)
   if gate == "bounded":
-    g = -5.0 * jax.nn.sigmoid(logits)
+    g = -5.0 * jax.nn.sigmoid(n["g"])
   elif gate == "unbounded":
-    a = jax.random.uniform(keys[4], (h, dk), f32, maxval=1.5)
-    g = -jnp.exp(a) * jax.nn.softplus(logits + 1)
-    g = jnp.where(jax.random.bernoulli(keys[5], 0.01, g.shape), -1000.0, g)
+    u = jax.random.uniform(key_uniform, (h * dk + b * t * h * dk,), jnp.float32)
+    a = 1.5 * u[:h * dk].reshape(h, dk)
+    g = -jnp.exp(a) * jax.nn.softplus(n["g"] + 1)
+    g = jnp.where(u[h * dk:].reshape(g.shape) < 0.01, -1000.0, g)
   else:
     raise ValueError(f"gate must be 'bounded' or 'unbounded', got {gate!r}")
-  x = dict(q=unit(jax.random.normal(keys[0], (b, t, h, dk), f32)),
-           k=unit(jax.random.normal(keys[1], (b, t, h, dk), f32)),
-           v=jax.random.normal(keys[2], (b, t, h, dv), f32),
-           g=g,
-           beta=jax.nn.sigmoid(jax.random.normal(keys[6], (b, t, h), f32)))
+  x = dict(q=unit(n["q"]), k=unit(n["k"]), v=n["v"], g=g, beta=jax.nn.sigmoid(n["beta"]))
   x = {name: a.astype(dtype) for name, a in x.items()}
-  x["h0"] = (jax.random.normal(keys[7], (b, h, dk, dv), f32) if with_initial_state else None)
+  x["h0"] = n["h0"] if with_initial_state else None
   return x
