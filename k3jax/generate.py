@@ -34,48 +34,54 @@ def _check_sampling(temperature: float, top_p: float) -> None:
     raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
+def _sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array
+            ) -> jax.Array:
+  """`sample_logits` with traced scalar settings (one compiled program serves them all)."""
+  greedy = jnp.argmax(logits, axis=-1)
+  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+  order = jnp.argsort(-scaled, axis=-1)  # most probable first
+  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = (mass_before < top_p) | (top_p >= 1)  # needed while the mass before it is short
+  pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
 def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float,
                   top_p: float = 1.0) -> jax.Array:
   """Next tokens [B] int32 from logits [B, V].
 
-  temperature 0: argmax (greedy; `key` unused). Otherwise softmax(logits / temperature)
-  restricted to the nucleus, the smallest set of most probable tokens whose mass is
-  >= top_p (always at least the most probable token), renormalised.
+  temperature 0: argmax (greedy; `key` unused). Otherwise a draw from
+  softmax(logits / temperature) restricted to the nucleus (top-p): the smallest set of
+  most probable tokens whose probability mass is >= top_p (at least the most probable
+  token), renormalised; top_p = 1 keeps every token.
   """
   _check_sampling(temperature, top_p)
   if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
     raise ValueError(f"logits must be a floating [B, V] array, got shape {logits.shape} "
                      f"dtype {logits.dtype}")
-  if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = logits.astype(jnp.float32) / temperature
-  if top_p == 1:
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-  order = jnp.argsort(-scaled, axis=-1)  # most probable first
-  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = mass_before < top_p  # token i is needed while the mass before it is short of top_p
-  pick = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-  return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return _sample(logits, key, jnp.float32(temperature), jnp.float32(top_p))
 
 
-@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_p",
-                                             "eos_id"))
-def _generate(model: K3ForCausalLM, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
-              temperature: float, top_p: float, eos_id: int | None
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens",))
+def _generate(model: K3ForCausalLM, prompt: jax.Array, key: jax.Array, temperature: jax.Array,
+              top_p: jax.Array, eos_id: jax.Array, *, max_new_tokens: int
               ) -> tuple[jax.Array, jax.Array]:
-  """Prefill + decode loop; returns (tokens [B, T0 + max_new_tokens], steps taken)."""
+  """Prefill + decode loop; returns (tokens [B, T0 + max_new_tokens], new tokens emitted).
+
+  eos_id < 0: no end-of-sequence token.
+  """
   b, t0 = prompt.shape
   total = t0 + max_new_tokens
   out = jnp.zeros((b, total), jnp.int32).at[:, :t0].set(prompt)
 
   def emit(logits, i, done, out):
-    """Samples token i (0-based among the new ones) from logits [B, V]; finished rows: eos."""
-    tok = sample_logits(logits, jax.random.fold_in(key, i), temperature=temperature, top_p=top_p)
-    if eos_id is not None:
-      tok = jnp.where(done, eos_id, tok)
-      done = done | (tok == eos_id)
+    """Samples new token i from logits [B, V]; a finished row emits eos_id instead."""
+    tok = _sample(logits, jax.random.fold_in(key, i), temperature, top_p)
+    tok = jnp.where(done, eos_id, tok)
+    done = done | (tok == eos_id)
     return tok, done, out.at[:, t0 + i].set(tok)
 
   logits, cache = model.extend(prompt, model.init_cache(b, total))
@@ -103,7 +109,8 @@ def generate(model: K3ForCausalLM, prompt_tokens: jax.Array | np.ndarray, *, max
   n <= max_new_tokens: decoding stops early once every row has emitted `eos_id`; a row
   that finished keeps emitting `eos_id` until then. All rows share one cache position,
   so prompts in a batch have the same length (no padding). One compiled program per
-  (shape, max_new_tokens, temperature, top_p, eos_id); sampling is a function of `seed`.
+  (model, B, T0, max_new_tokens) serves every temperature, top_p, seed and eos_id;
+  the draws are a function of `seed`.
   """
   prompt = np.asarray(prompt_tokens)
   vocab = model.cfg.vocab_size
@@ -116,16 +123,17 @@ def generate(model: K3ForCausalLM, prompt_tokens: jax.Array | np.ndarray, *, max
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
     raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
   _check_sampling(temperature, top_p)
-  if eos_id is not None and not (isinstance(eos_id, int) and 0 <= eos_id < vocab):
+  if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
+                             or not 0 <= eos_id < vocab):
     raise ValueError(f"eos_id must be None or an integer in [0, vocab_size={vocab}), "
                      f"got {eos_id!r}")
-  if not isinstance(seed, int) or not 0 <= seed < 2**32:
+  if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
   if max_new_tokens == 0:
     return prompt.astype(np.int32)
   out, n = _generate(model, jnp.asarray(prompt, jnp.int32), jax.random.key(seed),
-                     max_new_tokens=max_new_tokens, temperature=float(temperature),
-                     top_p=float(top_p), eos_id=eos_id)
+                     jnp.float32(temperature), jnp.float32(top_p),
+                     jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens)
   return np.asarray(out)[:, :prompt.shape[1] + int(n)]
 
 

@@ -130,7 +130,9 @@ class KDA(nnx.Module):
     beta = jax.nn.sigmoid((x @ w(self.b_proj)).astype(jnp.float32))
     o, state = kda_ops.chunk_kda(
         q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
-        output_final_state=cache is not None, segment_ids=segment_ids, impl=self.impl or None)
+        output_final_state=cache is not None, segment_ids=segment_ids,
+        gate_bound=self.lower_bound if self.gate_kind == "lower_bound" else None,
+        impl=self.impl or None)
     if self.use_full_rank_gate:
       z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
     else:

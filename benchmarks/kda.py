@@ -1,0 +1,150 @@
+r"""KDA side by side on one GPU: our tiers vs fla `chunk_kda` vs jax-linear-attention.
+
+Same inputs for every implementation, one process: bf16 q, k, v; fp32 log-decay g in [-5, 0);
+beta after the sigmoid; K = V = 128; q, k L2-normalised inside the timed op (fla:
+`use_qk_l2norm_in_kernel=True`). fwd = forward only; fwd+bwd = forward and backward for all of
+q, k, v, g, beta. Run: `python3 -m benchmarks.kda --out=$OUT/kda.json`.
+"""
+import os
+import traceback
+
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks import common
+from k3jax.kda import l2_normalize
+from pallas_kernels import kda as kda_ops
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/kda_h200.json", "Records (JSON list).")
+_SHAPES = flags.DEFINE_list("shapes", ["1x8192x32", "1x8192x96"], "BxTxH, comma separated.")
+_IMPLS = flags.DEFINE_list("impls", ["chunked", "fla", "jla_mosaic_gpu", "jla_chunked"],
+                           "chunked | mosaic_gpu | fla | jla_mosaic_gpu | jla_chunked")
+_PASSES = flags.DEFINE_list("passes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd.")
+_REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (JAX).")
+
+
+def kda_flops(b: int, t: int, h: int, d: int = 128, c: int = 64) -> float:
+  """Forward FLOPs, Kimi Linear Eq. 13: B H (6 T d^2 + 3 T C d + T C^2)."""
+  return b * h * (6 * t * d * d + 3 * t * c * d + t * c * c)
+
+
+def kda_bytes(b: int, t: int, h: int, d: int = 128) -> float:
+  """Forward HBM bytes at minimum: q, k, v, o in bf16, g in fp32, beta in fp32."""
+  return b * t * h * (4 * d * 2 + d * 4 + 4)
+
+
+def make_inputs(b, t, h, d=128, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((b, t, h, d), np.float32)
+  k = rng.standard_normal((b, t, h, d), np.float32)
+  v = rng.standard_normal((b, t, h, d), np.float32)
+  g = -5.0 * (1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, d), np.float32))))
+  beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h), np.float32)))
+  do = rng.standard_normal((b, t, h, d), np.float32)
+  return dict(q=q, k=k, v=v, g=g.astype(np.float32), beta=beta.astype(np.float32), do=do)
+
+
+def jax_fns(impl: str):
+  """(fwd, fwd+bwd) jitted functions of (q, k, v, g, beta, do)."""
+  if impl.startswith("jla_"):
+    from jla.ops import linear_attention
+    jla_impl = impl[len("jla_"):]
+    def op(q, k, v, g, beta):
+      return linear_attention("kda", q, k, v, g=g, beta=beta, impl=jla_impl, use_qk_l2norm=True)[0]
+  else:
+    def op(q, k, v, g, beta):
+      return kda_ops.chunk_kda(l2_normalize(q), l2_normalize(k), v, g, beta, gate_bound=-5.0,
+                               impl=impl)[0]
+  fwd = jax.jit(op)
+  def loss(q, k, v, g, beta, do):
+    return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do)
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  return fwd, fwd_bwd
+
+
+def run_jax(impl, x, passes, reps):
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
+  fwd, fwd_bwd = jax_fns(impl)
+  out = {}
+  if "fwd" in passes:
+    out["fwd"] = common.time_jax(fwd, *args, reps=reps)
+    out["_o"] = np.asarray(fwd(*args).astype(jnp.float32))
+  if "fwd+bwd" in passes:
+    out["fwd+bwd"] = common.time_jax(fwd_bwd, *args, bf(x["do"]), reps=max(reps // 2, 5))
+  return out
+
+
+def run_fla(x, passes):
+  import torch
+  from fla.ops.kda import chunk_kda
+  dev = "cuda"
+  t = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to(dev, dt)
+  q, k, v = t(x["q"]), t(x["k"]), t(x["v"])
+  g, beta = t(x["g"], torch.float32), t(x["beta"], torch.float32)
+  out = {}
+  if "fwd" in passes:
+    with torch.no_grad():
+      f = lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+      out["fwd"] = common.time_torch(f)
+      out["_o"] = f()[0].float().cpu().numpy()
+  if "fwd+bwd" in passes:
+    leaves = [a.clone().requires_grad_(True) for a in (q, k, v, g, beta)]
+    do = t(x["do"])
+    def fb():
+      for a in leaves:
+        a.grad = None
+      chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)[0].backward(do)
+    out["fwd+bwd"] = common.time_torch(fb)
+  return out
+
+
+def main(argv):
+  del argv
+  device, date, vers = common.device_name(), common.today(), common.versions()
+  records, rows = [], []
+  for shape in _SHAPES.value:
+    b, t, h = (int(s) for s in shape.split("x"))
+    x = make_inputs(b, t, h)
+    outputs = {}
+    for impl in _IMPLS.value:
+      try:
+        res = run_fla(x, _PASSES.value) if impl == "fla" else run_jax(impl, x, _PASSES.value,
+                                                                       _REPS.value)
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        traceback.print_exc()
+        records.append(dict(op="chunk_kda", implementation=impl, B=b, T=t, H=h, K=128, V=128,
+                            dtype="bfloat16", error=f"{type(e).__name__}: {e}"[:500],
+                            device=device, date=date))
+        continue
+      if "_o" in res:
+        outputs[impl] = res.pop("_o")
+      for p, ms in res.items():
+        flops = kda_flops(b, t, h) * (1 if p == "fwd" else 3)
+        rec = dict(op="chunk_kda", implementation=impl, **{"pass": p}, B=b, T=t, H=h, K=128,
+                   V=128, dtype="bfloat16", median_ms=round(ms, 4),
+                   tflops=round(flops / ms / 1e9, 2),
+                   gbytes_per_s=round(kda_bytes(b, t, h) / ms / 1e6, 1) if p == "fwd" else None,
+                   device=device, date=date, versions=vers)
+        records.append(rec)
+        rows.append(f"{shape:>12s} {impl:>16s} {p:>8s} {ms:9.3f} ms {rec['tflops']:8.2f} TFLOP/s")
+    if "fla" in outputs:
+      ref = outputs["fla"]
+      for impl, o in outputs.items():
+        err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+        rows.append(f"{shape:>12s} {impl:>16s} rel L2 vs fla {err:.2e}")
+        for r in records:
+          if r.get("implementation") == impl and r.get("T") == t and r.get("H") == h and \
+             r.get("B") == b and r.get("pass") == "fwd":
+            r["rel_err_vs_fla"] = err
+  common.merge_records(_OUT.value, records,
+                       ("op", "implementation", "pass", "B", "T", "H", "K", "V", "dtype", "device"))
+  print("\n".join(rows))
+
+
+if __name__ == "__main__":
+  app.run(main)

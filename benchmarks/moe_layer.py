@@ -1,0 +1,90 @@
+r"""The Stable LatentMoE layer at k3_small shapes: where its time goes.
+
+Times, in one process on the same inputs: the whole layer forward (and forward+backward); the
+router alone; routing + permutations (top-k, sort by expert, gather, scatter-add back) without the
+expert matmuls; the three grouped matmuls alone; and a dense bf16 matmul of the same FLOPs (the
+ceiling). `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--ragged_dot_impl=...]`.
+"""
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+from benchmarks import common
+from k3jax import config as config_lib
+from k3jax import latent_moe
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
+_TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens in the batch (B*T).")
+_CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
+
+
+def main(argv):
+  del argv
+  cfg = config_lib.load(_CONFIG.value)
+  m, e = cfg.model, cfg.model.moe
+  d, n = m.hidden_size, _TOKENS.value
+  moe = latent_moe.LatentMoE(
+      d, num_experts=e.num_experts, top_k=e.num_experts_per_tok,
+      n_shared_experts=e.n_shared_experts, moe_intermediate_size=e.moe_intermediate_size,
+      latent_size=e.latent_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (1, n, d), jnp.bfloat16)
+  graph, params, rest = nnx.split(moe, nnx.Param, ...)
+
+  def layer(params, x):
+    return nnx.merge(graph, params, rest)(x)[0]
+  fwd = jax.jit(layer)
+  fwd_bwd = jax.jit(jax.grad(lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32)), (0, 1)))
+
+  lat = e.latent_size or d
+  w = moe.experts
+  z = jax.random.normal(jax.random.key(2), (n, lat), jnp.bfloat16)
+  weights, experts, _ = jax.jit(lambda xx: latent_moe.route(
+      xx, moe.gate["kernel"][...], moe.gate["e_score_correction_bias"][...], e.num_experts_per_tok,
+      1.0, True))(x[0])
+
+  def routing_only(xx, zz):
+    wts, ex, _ = latent_moe.route(xx, moe.gate["kernel"][...],
+                                  moe.gate["e_score_correction_bias"][...],
+                                  e.num_experts_per_tok, 1.0, True)
+    flat = ex.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.take(zz, order // e.num_experts_per_tok, axis=0)
+    back = jnp.zeros((n * e.num_experts_per_tok, lat), jnp.float32).at[order].set(
+        rows.astype(jnp.float32) * wts.reshape(-1)[order][:, None])
+    return jnp.sum(back.reshape(n, e.num_experts_per_tok, lat), axis=1)
+
+  sizes = jnp.bincount(experts.reshape(-1), length=e.num_experts).astype(jnp.int32)
+  rows = jax.random.normal(jax.random.key(3), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
+
+  def gemms(rr, w1, w3, w2):
+    g = jax.lax.ragged_dot(rr, w1, sizes)
+    u = jax.lax.ragged_dot(rr, w3, sizes)
+    return jax.lax.ragged_dot((g * u).astype(jnp.bfloat16), w2, sizes)
+
+  mi = e.moe_intermediate_size
+  gemm_flops = 2 * n * e.num_experts_per_tok * lat * mi * 3
+  dense_a = jax.random.normal(jax.random.key(4), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
+  dense_b = jax.random.normal(jax.random.key(5), (lat, 3 * mi), jnp.bfloat16)
+  timings = {
+      "layer_fwd": common.time_jax(fwd, params, x),
+      "layer_fwd+bwd": common.time_jax(fwd_bwd, params, x),
+      "routing_and_permutation": common.time_jax(jax.jit(routing_only), x[0], z),
+      "grouped_gemms_xla": common.time_jax(jax.jit(gemms), rows, w["w1"][...], w["w3"][...],
+                                           w["w2"][...]),
+      "dense_same_flops": common.time_jax(jax.jit(jnp.dot), dense_a, dense_b),
+  }
+  device, date = common.device_name(), common.today()
+  records = []
+  for name, ms in timings.items():
+    tf = gemm_flops / ms / 1e9 if name in ("grouped_gemms_xla", "dense_same_flops") else None
+    records.append(dict(op="moe_layer", implementation=name, config=cfg.name, tokens=n,
+                        median_ms=round(ms, 4), tflops=round(tf, 1) if tf else None,
+                        dtype="bfloat16", device=device, date=date,
+                        **{"pass": "fwd+bwd" if "bwd" in name else "fwd"}))
+    print(f"{name:>26s} {ms:9.3f} ms" + (f" {tf:7.1f} TFLOP/s" if tf else ""))
+  common.merge_records(_OUT.value, records, ("op", "implementation", "config", "tokens", "device"))
+
+
+if __name__ == "__main__":
+  app.run(main)

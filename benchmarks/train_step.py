@@ -1,0 +1,61 @@
+r"""End-to-end training step of a config on one device: tokens/s and MFU.
+
+`python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py --out=$OUT/train.json`
+Random tokens (no data pipeline in the timed region); the step is the real `k3jax.train` step.
+"""
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from benchmarks import common
+from k3jax import config as config_lib
+from k3jax import flops, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_small.py", "Config.")
+_OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records (JSON list).")
+_STEPS = flags.DEFINE_integer("steps", 8, "Timed steps (after 2 warm-up steps).")
+
+
+def main(argv):
+  del argv
+  cfg = config_lib.validate(_CONFIG.value)
+  t = cfg.train
+  setup, state = train.init(cfg, 0, kda_impl=cfg.kernels.kda_impl)
+  step = jax.jit(train.make_train_step(setup), donate_argnums=0)
+  rng = np.random.default_rng(0)
+  b, s = t.global_batch_size, t.seq_len
+  def batch():
+    toks = rng.integers(0, cfg.model.vocab_size, (b, s + 1)).astype(np.int32)
+    return dict(inputs=toks[:, :-1], targets=toks[:, 1:], segment_ids=np.ones((b, s), np.int32),
+                positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)),
+                loss_mask=np.ones((b, s), np.float32))
+  t0 = time.perf_counter()
+  for _ in range(2):
+    state, m = step(state, batch())
+  jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
+  batches = [batch() for _ in range(_STEPS.value)]
+  t0 = time.perf_counter()
+  for bt in batches:
+    state, m = step(state, bt)
+  jax.block_until_ready(m)
+  dt = (time.perf_counter() - t0) / _STEPS.value
+  tok_s = b * s / dt
+  fpt = flops.train_flops_per_token(cfg.model, s)
+  peak, source = flops.peak_flops_per_device()
+  counts = flops.count_params(cfg.model)
+  rec = dict(op="train_step", config=cfg.name, B=b, T=s, step_ms=round(dt * 1e3, 2),
+             tokens_per_s=round(tok_s, 1), model_tflops=round(tok_s * fpt / 1e12, 2),
+             mfu=round(tok_s * fpt / peak, 4), peak_source=source, total_params=counts.total,
+             active_params=counts.active, kda_impl=cfg.kernels.kda_impl or "auto",
+             loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1),
+             device=common.device_name(), date=common.today(), versions=common.versions())
+  common.merge_records(_OUT.value, [rec], ("op", "config", "B", "T", "kda_impl", "device"))
+  print(rec)
+
+
+if __name__ == "__main__":
+  app.run(main)
