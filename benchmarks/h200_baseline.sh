@@ -13,7 +13,7 @@ ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
 print(f"bf16 matmul 8192^3: {2*8192**3/ms/1e9:.1f} TFLOP/s")
 x = torch.empty(2**30, device="cuda", dtype=torch.uint8); y = torch.empty_like(x)
 ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-print(f"d2d copy: {2*2**30/ms/1e9:.1f} GB/s (read+write)")
+print(f"d2d copy: {2*2**30/ms/1e9:.2f} TB/s (read+write)")
 PY
 timeout 240 python3 -m benchmarks.kda --out=$OUT/kda_h200.json 2>&1 | tee $OUT/kda.log | grep -v "^I1\|^W1" | tail -30
 timeout 120 python3 -m benchmarks.moe_layer --out=$OUT/moe_h200.json 2>&1 | tee $OUT/moe.log | tail -8

@@ -1,9 +1,10 @@
 """Autoregressive sampling over the dual cache (report §5.4), and loading a trained model.
 
 `generate` prefills the prompt with one `K3ForCausalLM.extend` call (KDA states and conv
-tails, MLA latents), then decodes one token a step inside a `jax.lax.while_loop` of one
-jit-compiled program (`nnx.jit`); each step feeds the last token through `extend` (absorbed MLA over
-the latent cache, the KDA recurrence from its state) and samples with `sample_logits`.
+tails, MLA latents), then decodes one token a step in a `jax.lax.while_loop`, all in one
+`nnx.jit`-compiled program: each step feeds the last token through `extend` (absorbed MLA
+over the latent cache, the KDA recurrence from its state) and draws the next token as
+`sample_logits` does (greedy, temperature, top-p nucleus).
 """
 import functools
 import math
@@ -169,7 +170,7 @@ def load_model(workdir: str, step: int | None = None
   manager = ocp.CheckpointManager(
       directory, item_names=("state",),
       item_handlers={"state": ocp.PyTreeCheckpointHandler()},
-      options=ocp.CheckpointManagerOptions(read_only=True))
+      options=ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False))
   try:
     steps = sorted(manager.all_steps(), reverse=True)
     if not steps:

@@ -13,6 +13,7 @@ import ml_collections
 from flax import nnx
 
 from k3jax import attn_res, params
+from k3jax import mtp as mtp_lib
 from k3jax import config as config_lib
 from k3jax.kda import KDA
 from k3jax.latent_moe import LatentMoE
@@ -95,7 +96,7 @@ class DecoderLayer(nnx.Module):
     return self.mlp(h), {}
 
 
-def _layer_residual(layer: DecoderLayer, x, segment_ids, positions, cache=None):
+def residual_layer(layer: DecoderLayer, x, segment_ids, positions, cache=None):
   """Pre-norm residual stream: x + attn(norm x), then + ffn(norm x)."""
   y, aux_a, cache = layer.token_mixer(x, segment_ids, positions, cache)
   x = x + y.astype(x.dtype)
@@ -103,7 +104,7 @@ def _layer_residual(layer: DecoderLayer, x, segment_ids, positions, cache=None):
   return x + y.astype(x.dtype), {**aux_a, **aux_f}, cache
 
 
-def _layer_attn_res(layer: DecoderLayer, blocks: list, partial, segment_ids, positions,
+def attn_res_layer(layer: DecoderLayer, blocks: list, partial, segment_ids, positions,
                     block_size: int, cache=None):
   """One layer of Block AttnRes (k3_techniques.md §3, exact K3 wiring)."""
   h = attn_res.mix(blocks + [partial], layer.self_attention_res_norm,
@@ -138,6 +139,8 @@ class K3ForCausalLM(nnx.Module):
     self.lm_head = nnx.Dict(kernel=params.param(
         rngs, params.fan_in_init((0,)), (d, cfg.vocab_size), ("embed", "vocab"), pdt))
     self.remat = cfg.remat == "full"
+    if cfg.mtp_num_layers:
+      self.mtp = mtp_lib.MTP(cfg, rngs=rngs)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embed_tokens["embedding"][...], tokens, axis=0).astype(self.dtype)
@@ -166,7 +169,7 @@ class K3ForCausalLM(nnx.Module):
     x = self.embed(tokens)
     aux = {}
     if self.block_size:
-      fn = nnx.remat(_layer_attn_res, static_argnums=(5,)) if self.remat else _layer_attn_res
+      fn = nnx.remat(attn_res_layer, static_argnums=(5,)) if self.remat else attn_res_layer
       blocks, partial = [], x
       for layer, lc in zip(self.layers, layer_caches):
         blocks, partial, aux[layer.index], lc = fn(layer, blocks, partial, segment_ids,
@@ -175,7 +178,7 @@ class K3ForCausalLM(nnx.Module):
       x = attn_res.mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj,
                        self.cfg.rms_norm_eps)
     else:
-      fn = nnx.remat(_layer_residual) if self.remat else _layer_residual
+      fn = nnx.remat(residual_layer) if self.remat else residual_layer
       for layer, lc in zip(self.layers, layer_caches):
         x, aux[layer.index], lc = fn(layer, x, segment_ids, positions, lc)
         new_caches.append(lc)

@@ -11,7 +11,7 @@ h is the hidden the LM head sees (after the backbone's final `norm`), as vLLM's 
 reads it. The embedding table and the LM head belong to the main model and are not owned here.
 The block is `k3jax.model.DecoderLayer` built from `block_config`: a gated MLA token mixer, the
 config's FFN (Stable LatentMoE when it has experts) and the backbone's plain pre-norm residual
-step (`k3jax.model._layer_residual`, no AttnRes).
+step (`k3jax.model.residual_layer`, no AttnRes).
 Loss: L = L_main + lambda * CE(logits_i, t_{i+2}) (`model.mtp_loss_weight`, DeepSeek-V3: 0.3).
 """
 from typing import Any, Callable
@@ -71,7 +71,7 @@ class MTP(nnx.Module):
     e = self.enorm(next_token_embeddings.astype(self.dtype))
     x = jnp.concatenate([e, self.hnorm(h.astype(self.dtype))], axis=-1)
     x = x @ self.eh_proj["kernel"][...].astype(self.dtype)
-    fn = nnx.remat(model_lib._layer_residual) if self.remat else model_lib._layer_residual
+    fn = nnx.remat(model_lib.residual_layer) if self.remat else model_lib.residual_layer
     x, aux, _ = fn(self.layer, x, segment_ids, positions)
     return self.norm(x), aux
 

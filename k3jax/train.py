@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax import latent_moe, muon, quantile_balancing, sharding
+from k3jax import latent_moe, mtp, muon, quantile_balancing, sharding
 from k3jax.model import K3ForCausalLM
 
 TrainState = dict[str, Any]
@@ -78,10 +78,22 @@ def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
 
 
 def loss_fn(params, buffers, graphdef, batch: dict[str, jax.Array]):
+  """Next-token CE plus `mtp_loss_weight` x the MTP CE on t+2.
+
+  Returns (loss, (aux per layer index with the MTP layer at index L, next-token CE alone)).
+  """
   model = nnx.merge(graphdef, params, buffers)
-  logits, aux = model(batch["inputs"], batch["segment_ids"], batch["positions"])
-  loss, _ = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
-  return loss, aux
+  h, aux, _ = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"])
+  lm_loss, _ = masked_cross_entropy(model.logits(h), batch["targets"], batch["loss_mask"])
+  loss, cfg = lm_loss, model.cfg
+  if cfg.mtp_num_layers:
+    h2, mtp_aux = model.mtp(h, model.embed(batch["targets"]), batch["segment_ids"],
+                            batch["positions"])
+    targets2, mask2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
+    mtp_aux["mtp_loss"], _ = mtp.mtp_loss(model.logits, h2, targets2, mask2)
+    aux[cfg.num_layers] = mtp_aux
+    loss = loss + cfg.mtp_loss_weight * mtp_aux["mtp_loss"]
+  return loss, (aux, lm_loss)
 
 
 def _moe_layers(aux: dict[int, dict]) -> dict[int, dict]:
@@ -91,18 +103,14 @@ def _moe_layers(aux: dict[int, dict]) -> dict[int, dict]:
 def update_moe_biases(buffers, aux, model_cfg: ml_collections.ConfigDict):
   """Every MoE layer's balancing bias for the next step (used from the next step on)."""
   e = model_cfg.moe
-  layers = dict(buffers["layers"])
+  buffers = jax.tree.map(lambda x: x, buffers)  # fresh containers, same arrays
   for i, moe_aux in _moe_layers(aux).items():
-    layer = dict(layers[i])
-    moe = dict(layer["block_sparse_moe"])
-    gate = dict(moe["gate"])
+    owner = buffers["mtp"]["layer"] if i == model_cfg.num_layers else buffers["layers"][i]
+    gate = owner["block_sparse_moe"]["gate"]
     gate["e_score_correction_bias"] = latent_moe.update_bias(
         gate["e_score_correction_bias"], moe_aux, method=e.balancing,
         top_k=e.num_experts_per_tok, rate=e.bias_update_rate)
-    moe["gate"] = gate
-    layer["block_sparse_moe"] = moe
-    layers[i] = layer
-  return {**buffers, "layers": layers}
+  return buffers
 
 
 def moe_metrics(aux) -> dict[str, jax.Array]:
@@ -125,19 +133,21 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainSta
   clip = cfg.train.optimizer != "adamw" and cfg.train.qk_clip_tau > 0
 
   def step(state: TrainState, batch: dict[str, jax.Array]):
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+    (loss, (aux, lm_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state["params"], state["buffers"], setup.graphdef, batch)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    max_logits = {f"layers.{i}.self_attn": a["mla_max_logit"]
-                  for i, a in aux.items() if "mla_max_logit" in a}
+    max_logits = {("mtp.layer" if i == cfg.model.num_layers else f"layers.{i}") + ".self_attn":
+                  a["mla_max_logit"] for i, a in aux.items() if "mla_max_logit" in a}
     if clip and max_logits:
       params = muon.qk_clip(params, max_logits, tau=cfg.train.qk_clip_tau,
                             qk_nope_head_dim=cfg.model.mla.qk_nope_head_dim,
                             qk_rope_head_dim=cfg.model.mla.qk_rope_head_dim)
     buffers = update_moe_biases(state["buffers"], aux, cfg.model)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "lm_loss": lm_loss, "grad_norm": optax.global_norm(grads),
                "learning_rate": schedule(state["step"]), **moe_metrics(aux)}
+    if cfg.model.mtp_num_layers:
+      metrics["mtp_loss"] = aux[cfg.model.num_layers]["mtp_loss"]
     if max_logits:
       metrics["mla/max_logit"] = jnp.max(jnp.stack(list(max_logits.values())))
     new_state = {"step": state["step"] + 1, "params": params, "buffers": buffers,

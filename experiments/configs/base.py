@@ -68,7 +68,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   t.steps = 1000
   t.global_batch_size = 8
   t.seq_len = 1024
-  t.optimizer = "adamw"  # adamw | muon | muon_whole
+  t.optimizer = "muon"  # muon (per-head, report §2.5) | muon_whole | adamw
   t.learning_rate = 3e-4
   t.warmup_frac = 0.01
   t.final_lr_frac = 0.1

@@ -1,12 +1,22 @@
 """Public KDA ops with fla layouts (Kimi Linear report Eq. 1; fla `chunk_kda`).
 
+Semantics of fla-core 0.6.0 `naive_recurrent_kda`: q <- q * scale; per token
+S <- S * exp(g_t)[:, None]; S <- S + (beta_t k_t) outer (v_t - S^T k_t);
+o_t = S^T q_t.
+
 Layouts: q, k [B, T, H, K] (already L2-normalised); v [B, T, H, V]; g [B, T, H, K]
 natural-log decay (<= 0); beta [B, T, H] (after the sigmoid); state
-[B, H, K, V]; o [B, T, H, V] in q's dtype. `segment_ids` [B, T] (documents
-packed in a row): the state is reset to zero before every token whose id
-differs from the previous token's; `initial_state` is the state entering
-token 0; the final state is the state after the last token.
+[B, H, K, V], returned in fp32 (the inputs' dtype promoted to >= fp32);
+o [B, T, H, V] in q's dtype. `segment_ids` [B, T] integer (documents packed in
+a row, 0 for padding): the state is reset to zero before every token whose id
+differs from the previous token's, so nothing leaks between documents.
+`initial_state` is the state entering token 0 (so it reaches only the first
+segment); the final state is the state after the last token (that of the
+last segment, padding included). Resets are only seen between tokens of one
+call: a decode step (T = 1) that starts a new document passes a zero state.
 """
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -77,7 +87,8 @@ def chunk_kda(
       None (default) is exact for any g <= 0 (e.g. Kimi Linear's softplus gate).
       It never changes the result, only the numerical path.
     impl: one of `IMPLS`, or None for the best tier that supports the call
-      (now always "chunked").
+      ("chunked", the only parallel tier so far). "reference" is the
+      token-by-token `lax.scan`.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state or None).
@@ -85,7 +96,7 @@ def chunk_kda(
   scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
-  if gate_bound is not None and not (isinstance(gate_bound, (int, float))
+  if gate_bound is not None and not (isinstance(gate_bound, numbers.Real)
                                      and chunked.MIN_GATE_BOUND <= gate_bound <= 0):
     raise ValueError(f"gate_bound must be None or a float in [{chunked.MIN_GATE_BOUND}, 0], "
                      f"got {gate_bound!r}; use None for gates that can go below "
@@ -111,7 +122,11 @@ def fused_recurrent_kda(
     output_final_state: bool = False,
     segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """Token-by-token KDA (decode with T = 1); same arguments as `chunk_kda`."""
+  """Token-by-token KDA for decode (T = 1); arguments as in `chunk_kda`.
+
+  Returns:
+    (o [B, T, H, V] in q's dtype, final state [B, H, K, V] or None).
+  """
   scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
   o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
                                  initial_state=initial_state, segment_ids=segment_ids)

@@ -90,11 +90,14 @@ def example_inputs(key: jax.Array, b: int, t: int, h: int, dk: int, dv: int, *,
                    dtype=jnp.float32) -> dict[str, jax.Array | None]:
   """Random KDA inputs shaped like a layer's, for tests and benchmarks.
 
-  q, k are L2-normalised (report §4); beta = sigmoid(N(0, 1)). gate="bounded"
-  is K3's gate g = -5 sigmoid(x) (fla `naive_kda_lowerbound_gate`, A_log = 0);
-  gate="unbounded" is Kimi Linear's g = -exp(A) softplus(x + 1) (fla
-  `naive_kda_gate`) with 1% of entries set to -1000, like the -1736 outliers
-  Kimi Linear's layer 0 produces (kda.md §2.2). h0 ~ N(0, 1) or None.
+  q, k are L2-normalised (report §4); beta = sigmoid(N(0, 1)). Each (head, key
+  channel) gets an offset c ~ U(-8, 0) (bounded) or U(-7, 1) (unbounded), so
+  decay rates range from ~1e-3 (memory across many chunks) to ~3 per token.
+  gate="bounded" is K3's gate g = -5 sigmoid(x + c) (fla
+  `naive_kda_lowerbound_gate`, A_log = 0); gate="unbounded" is Kimi Linear's
+  g = -exp(A) softplus(x + c), A ~ U(0, 1.5) (fla `naive_kda_gate`), with 1% of
+  entries set to -1000 like the -1736 outliers of Kimi Linear's layer 0
+  (kda.md §2.2). x ~ N(0, 1); h0 ~ N(0, 1) or None.
 
   Values are drawn in fp32 (the same under jax_enable_x64) and cast to dtype.
 
@@ -113,13 +116,14 @@ def example_inputs(key: jax.Array, b: int, t: int, h: int, dk: int, dv: int, *,
   def unit(x):
     return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
 
+  u = jax.random.uniform(key_uniform, (2 * h * dk + b * t * h * dk,), jnp.float32)
+  offset = u[:h * dk].reshape(h, dk)
   if gate == "bounded":
-    g = -5.0 * jax.nn.sigmoid(n["g"])
+    g = -5.0 * jax.nn.sigmoid(n["g"] - 8.0 * offset)
   elif gate == "unbounded":
-    u = jax.random.uniform(key_uniform, (h * dk + b * t * h * dk,), jnp.float32)
-    a = 1.5 * u[:h * dk].reshape(h, dk)
-    g = -jnp.exp(a) * jax.nn.softplus(n["g"] + 1)
-    g = jnp.where(u[h * dk:].reshape(g.shape) < 0.01, -1000.0, g)
+    a = 1.5 * u[h * dk:2 * h * dk].reshape(h, dk)
+    g = -jnp.exp(a) * jax.nn.softplus(n["g"] + 1.0 - 8.0 * offset)
+    g = jnp.where(u[2 * h * dk:].reshape(g.shape) < 0.01, -1000.0, g)
   else:
     raise ValueError(f"gate must be 'bounded' or 'unbounded', got {gate!r}")
   x = dict(q=unit(n["q"]), k=unit(n["k"]), v=n["v"], g=g, beta=jax.nn.sigmoid(n["beta"]))

@@ -9,9 +9,10 @@ import pytest
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import reference
 
-# Relative RMS error bounds ||x - ref|| / ||ref|| for fp32 inputs. fla's are
-# 5e-3 (o, state), 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta); we measure <= 2e-5.
-TOL = dict(o=1e-4, state=1e-4, q=1e-4, k=1e-4, v=1e-4, g=2e-4, beta=1e-4, h0=1e-4)
+# Relative RMS error bound ||x - ref|| / ||ref|| for fp32 inputs, for o, the
+# final state and the gradients w.r.t. q, k, v, g, beta, h0. fla's are 5e-3
+# (o, state), 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta); we measure <= 1e-6.
+TOL = 1e-5
 
 
 def rel_err(x, ref) -> float:
@@ -58,20 +59,20 @@ def _compare(inputs: dict, scale: float, gate_bound: float | None) -> None:
   errs = dict(o=rel_err(o, o_ref), state=rel_err(s, s_ref))
   errs.update({n: rel_err(grads[n], g_ref[n]) for n in grads})
   for name, err in errs.items():
-    assert err < TOL[name], f"{name}: rel err {err:.2e} >= {TOL[name]:.0e} (all: {errs})"
+    assert err < TOL, f"{name}: rel err {err:.2e} >= {TOL:.0e} (all: {errs})"
 
 
 @pytest.mark.parametrize(
     "b, t, h, dk, dv, gate, gate_bound, with_h0",
     [
         (1, 1, 3, 64, 64, "bounded", -5.0, True),
-        (2, 17, 3, 64, 64, "unbounded", None, False),
-        (1, 64, 8, 64, 64, "bounded", None, False),
+        (2, 17, 8, 64, 64, "unbounded", None, False),
         (2, 100, 1, 128, 128, "unbounded", None, True),
         (1, 200, 3, 128, 128, "bounded", -5.0, True),
-        (1, 200, 3, 128, 128, "unbounded", None, True),
+        (1, 200, 3, 128, 128, "bounded", None, True),
     ])
 def test_matches_fp64_recurrence(x64, b, t, h, dk, dv, gate, gate_bound, with_h0):
+  """T = 1 (all padding), one partial chunk, several chunks; both diagonal-tile paths."""
   inputs = reference.example_inputs(jax.random.key(t * 10 + h), b, t, h, dk, dv, gate=gate,
                                     with_initial_state=with_h0)
   _compare(inputs, dk ** -0.5, gate_bound)

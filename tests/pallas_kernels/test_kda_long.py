@@ -26,8 +26,8 @@ def _both_tiers(q, k, v, g, beta, h0, *, gate_bound):
 def test_t65536_bf16_finite_and_close_to_fp32_recurrence(gate, gate_bound):
   """T = 65536 (1024 chunks), H = 1, K = V = 32, bf16 q, k, v, g, beta.
 
-  Both tiers compute in fp32 on the same bf16 values, so the final states agree
-  to ~1e-6 (bound 1e-4) and o, stored in bf16, to bf16 rounding (bound 1e-2).
+  Both tiers compute in fp32 on the same bf16 values: the final states agree to
+  ~2e-7 relative RMS (bound 1e-5) and o, rounded to bf16, to ~4e-5 (bound 1e-3).
   """
   x = reference.example_inputs(jax.random.key(7), 1, 65536, 1, 32, 32, gate=gate,
                                with_initial_state=True, dtype=jnp.bfloat16)
@@ -35,5 +35,5 @@ def test_t65536_bf16_finite_and_close_to_fp32_recurrence(gate, gate_bound):
                                        gate_bound=gate_bound)
   assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
   assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(s)))
-  assert rel_err(s, s_ref) < 1e-4
-  assert rel_err(o, o_ref) < 1e-2
+  assert rel_err(s, s_ref) < 1e-5
+  assert rel_err(o, o_ref) < 1e-3

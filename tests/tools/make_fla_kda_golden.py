@@ -54,11 +54,12 @@ def _inputs(rng, b, t, h, dk, dv, gate, with_h0):
       "v": rng.standard_normal((b, t, h, dv)),
       "beta": 1 / (1 + np.exp(-rng.standard_normal((b, t, h)))),
   }
-  logits = rng.standard_normal((b, t, h, dk))
+  # Per-channel offsets spread decay rates from ~1e-3 to ~3 per token.
+  logits = rng.standard_normal((b, t, h, dk)) - 8.0 * rng.random((h, dk))
   if gate == "bounded":
     x["g"] = -5.0 / (1 + np.exp(-logits))
   else:
-    g = -np.exp(rng.uniform(0, 1, (h, dk))) * np.logaddexp(0, logits + 1)
+    g = -np.exp(rng.uniform(0, 1.5, (h, dk))) * np.logaddexp(0, logits + 1)
     g[rng.random((b, t, h, dk)) < 0.01] = -1000.0
     x["g"] = g
   if with_h0:

@@ -1,0 +1,128 @@
+"""Sweeps Mosaic GPU tile configs of the grouped matmul on the GPU; prints the best per shape.
+
+For each K3 expert shape and each product (fwd = gmm, d_lhs = gmm with transpose_rhs,
+d_rhs = tgmm) it times every config of the sweep (ours "ws" and JAX's example kernels "jax";
+configs over the shared-memory limit are skipped, failures printed), then prints the sorted
+results and the best config. Copy the winners into GMM_TABLE / TGMM_TABLE in
+pallas_kernels/ragged_dot/mosaic_gpu.py.
+
+  python3 -m benchmarks.autotune_ragged_dot [--quick] [--out=$OUT/autotune.json]
+
+--quick: the first shape and a short list (about 20 configs, a few minutes).
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+import pathlib
+
+import jax
+
+from benchmarks.moe_gemm import SHAPES
+from benchmarks.moe_gemm import dirichlet_sizes
+from benchmarks.moe_gemm import make_inputs
+from benchmarks.moe_gemm import tflops
+from benchmarks.moe_gemm import time_jax
+from pallas_kernels.ragged_dot import mosaic_gpu
+
+GmmConfig, TgmmConfig = mosaic_gpu.GmmConfig, mosaic_gpu.TgmmConfig
+GRID_ORDERS = ((0, 8), (0, 16), (1, 4), (1, 1))   # (grid_minor_dim, grid_tile_width)
+
+
+def full_sweep(product: str) -> list:
+  """Every "ws" tile/stage/order combination, plus JAX's example kernel at a few tiles."""
+  if product == "d_rhs":
+    ws = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
+                     grid_tile_width=t)
+          for bm, bn in ((128, 128), (64, 128), (128, 64), (64, 64))
+          for s in (3, 4, 5, 6) for d, t in GRID_ORDERS]
+    ex = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
+                     kernel="jax")
+          for bm, bn in ((128, 128), (64, 128)) for s in (2, 4) for t in (1, 8)]
+  else:
+    ws = [GmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
+                    grid_tile_width=t)
+          for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))
+          for s in (3, 4, 5, 6) for d, t in GRID_ORDERS]
+    ex = [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
+                    kernel="jax")
+          for bn in (128, 192) for s in (4, 5) for t in (1, 8)]
+  return ws + ex
+
+
+def quick_sweep(product: str) -> list:
+  """A short list around the heuristic table's choice."""
+  if product == "d_rhs":
+    return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
+                       grid_tile_width=t) for d, t in ((1, 8), (0, 8), (1, 1))] + [
+        TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
+                   grid_tile_width=8),
+        TgmmConfig(block_m=128, block_n=64, max_concurrent_steps=4, grid_minor_dim=1,
+                   grid_tile_width=8),
+        TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax")]
+  return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
+                    grid_tile_width=t) for d, t in ((0, 8), (0, 16), (1, 4))] + [
+      GmmConfig(block_m=128, block_n=64, max_concurrent_steps=5, grid_minor_dim=0,
+                grid_tile_width=8),
+      GmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0,
+                grid_tile_width=8),
+      GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax")]
+
+
+def product_fn(product: str, cfg):
+  if product == "fwd":
+    return jax.jit(lambda x, w, dy, gs: mosaic_gpu.gmm(x, w, gs, config=cfg))
+  if product == "d_lhs":
+    return jax.jit(lambda x, w, dy, gs: mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True,
+                                                       config=cfg))
+  return jax.jit(lambda x, w, dy, gs: mosaic_gpu.tgmm(x, dy, gs, config=cfg))
+
+
+def sweep(shape, product: str, configs) -> list[dict]:
+  g, m, k, n = shape
+  x, w, dy, gs = make_inputs(g, m, k, n, dirichlet_sizes(g, m, seed=g + k))
+  args = {"fwd": (x, w, gs), "d_lhs": (dy, w, gs), "d_rhs": (x, dy, gs)}[product]
+  check = {"fwd": mosaic_gpu.supports_gmm, "d_lhs": mosaic_gpu.supports_gmm,
+           "d_rhs": mosaic_gpu.supports_tgmm}[product]
+  kwargs = {"transpose_rhs": True} if product == "d_lhs" else {}
+  results = []
+  for cfg in configs:
+    if reason := check(*args, config=cfg, **kwargs):
+      print(f"  skip {cfg}: {reason}")
+      continue
+    try:
+      ms = time_jax(product_fn(product, cfg), x, w, dy, gs, reps=20, budget_s=1.0)
+    except Exception as e:  # noqa: BLE001  (one config failing must not stop the sweep)
+      print(f"  FAIL {cfg}: {type(e).__name__}: {str(e)[:300]}")
+      continue
+    rec = dict(shape=dict(G=g, M=m, K=k, N=n), product=product, config=dataclasses.asdict(cfg),
+               median_ms=round(ms, 4), tflops=round(tflops(2 * m * k * n, ms), 1))
+    print(f"  {ms:8.3f} ms {rec['tflops']:6.1f} TFLOP/s  {cfg}", flush=True)
+    results.append(rec)
+  return sorted(results, key=lambda r: r["median_ms"])
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--out", type=pathlib.Path, default=None)
+  args = parser.parse_args()
+  shapes = SHAPES[:1] if args.quick else SHAPES
+  best, everything = [], []
+  for shape, product in itertools.product(shapes, ("fwd", "d_lhs", "d_rhs")):
+    print(f"== {shape} {product}", flush=True)
+    configs = quick_sweep(product) if args.quick else full_sweep(product)
+    results = sweep(shape, product, configs)
+    everything += results
+    if results:
+      best.append(results[0])
+  print("\nbest per shape and product")
+  for r in best:
+    print(f"{r['shape']} {r['product']:6s} {r['median_ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s "
+          f"{r['config']}")
+  if args.out:
+    args.out.write_text(json.dumps(everything, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+  main()

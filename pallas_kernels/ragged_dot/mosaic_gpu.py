@@ -1,0 +1,585 @@
+"""Mosaic GPU (Hopper, sm_90a) tier of the grouped matmul.
+
+Two kernels per product, picked by the config's `kernel` field:
+  "jax": JAX's own examples, imported and called as they are:
+         `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (forward and, with
+         `transpose_rhs=True`, d_lhs) and `transposed_ragged_dot_mgpu.transposed_ragged_dot`
+         (d_rhs). One compute warpgroup per CTA issues both the TMA loads and the wgmma.
+         Output dtype = input dtype; rows past sum(group_sizes) are zeroed by a jnp.where.
+  "ws":  ours, written for this repo from the same two examples plus the warp-specialised
+         pipeline of `hopper_matmul_mgpu`: one memory warpgroup issues the TMA loads
+         (`plgpu.emit_pipeline_warp_specialized`), two compute warpgroups issue wgmma on two
+         halves of the tile, and the epilogue of one tile overlaps the next tile's loads.
+         gmm row tiles start at each group's first row (as CUTLASS grouped GEMM: about
+         G * block_m / 2 wasted rows, against G * block_m for ragged_dot_mgpu's tiles that
+         straddle two groups and are computed once per group); the partial last tile of a
+         group is stored with ragged_dot_mgpu's ladder of power-of-two TMA stores. Takes fp32
+         output (preferred_element_type), writes zeros to the rows past sum(group_sizes) in
+         the kernel (an extra "padding group"), takes the SM count as a parameter, and runs
+         under `plgpu.InterpretGPUParams` on CPU.
+
+Shapes: gmm lhs [M, K], rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N];
+tgmm lhs [M, K], rhs [M, N] -> [G, K, N] with out[g] = lhs_g^T rhs_g.
+Rows are sorted by group; group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])).
+TMA into tiled (swizzled) SMEM needs the row count to be a multiple of 8: other M are padded
+with zero rows first (a copy of the [M, *] operands; the MoE's M = tokens * top_k is one).
+"""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as jax_ragged_dot
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as jax_transposed
+
+HOPPER_KINDS = ("H100", "H200", "H800")
+KERNELS = ("ws", "jax")
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMEM_BYTES = 227 * 1024        # opt-in shared memory per block on sm_90
+_SMEM_RESERVE = 2 * 1024       # barriers and alignment
+_MEMORY_REGISTERS = 40         # registers of the TMA warpgroup (as hopper_matmul_mgpu)
+_INTERPRET_SMS = 2             # simulated SMs in interpret mode (several tiles per SM)
+_JAX_RAGGED_DOT_SMS = 132      # ragged_dot_mgpu hard-codes 132 SMs (H100/H200)
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmConfig:
+  """Tiles of gmm. "ws": a CTA tile is [block_m, 2 * block_n] (one half per compute warpgroup);
+  "jax": [block_m, block_n]. grid_minor_dim/grid_tile_width order tiles (`plgpu.planar_snake`;
+  "jax" always snakes along N with width grid_tile_width)."""
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_minor_dim: int = 1
+  grid_tile_width: int = 1
+  kernel: str = "ws"
+
+
+@dataclasses.dataclass(frozen=True)
+class TgmmConfig:
+  """Tiles of tgmm: an output tile [block_m, block_n] of out[g] ("ws": [2 * block_m, block_n],
+  one half of the K rows per compute warpgroup); block_k rows of the group per pipeline step."""
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_minor_dim: int = 1
+  grid_tile_width: int = 1
+  kernel: str = "ws"
+
+
+def is_hopper() -> bool:
+  """True when the default device is an NVIDIA Hopper GPU (H100/H200/H800)."""
+  device = jax.devices()[0]
+  return device.platform == "gpu" and any(k in device.device_kind for k in HOPPER_KINDS)
+
+
+def _num_sms(interpret: bool) -> int:
+  return _INTERPRET_SMS if interpret else jax.devices()[0].core_count
+
+
+def _interpret_params(interpret: bool):
+  return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _transforms(block_minor: int, dtype) -> tuple:
+  """TMA tiling + swizzle for an SMEM tile whose minor dim has `block_minor` elements."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(block_minor * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _swizzle_elems(dtype) -> int:
+  """Elements in one 128-byte swizzle row (the granularity of SMEM slices along the minor dim)."""
+  return 128 // jnp.dtype(dtype).itemsize
+
+
+def gmm_smem_bytes(cfg: GmmConfig, in_dtype, out_dtype) -> int:
+  """Shared memory of one "ws" gmm CTA: pipeline stages + the two epilogue tiles."""
+  isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  stage = (cfg.block_m * cfg.block_k + cfg.block_k * 2 * cfg.block_n) * isz
+  return cfg.max_concurrent_steps * stage + 2 * cfg.block_m * cfg.block_n * osz + _SMEM_RESERVE
+
+
+def tgmm_smem_bytes(cfg: TgmmConfig, in_dtype, out_dtype) -> int:
+  """Shared memory of one "ws" tgmm CTA: pipeline stages + the two epilogue tiles."""
+  isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  stage = (cfg.block_k * 2 * cfg.block_m + cfg.block_k * cfg.block_n) * isz
+  return cfg.max_concurrent_steps * stage + 2 * cfg.block_m * cfg.block_n * osz + _SMEM_RESERVE
+
+
+def _row_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+  """Group starts/ends [G], clipped to [0, m] (rows past m belong to no group)."""
+  ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  return starts, ends
+
+
+def _pad_rows(x: jax.Array, multiple: int = 8) -> jax.Array:
+  """Zero rows up to a multiple of 8: tiled TMA needs the row count to be one (a copy)."""
+  pad = -x.shape[0] % multiple
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def _zero_rows_past(out: jax.Array, total: jax.Array) -> jax.Array:
+  rows = lax.broadcasted_iota(jnp.int32, out.shape, 0)
+  return jnp.where(rows < total, out, jnp.zeros((), out.dtype))
+
+
+# ------------------------------------------------------------------------------------------
+# Config choice and support checks
+# ------------------------------------------------------------------------------------------
+
+# (min K, min N) -> base config; the first row whose minima the call meets is taken, then
+# block_n/block_m shrink to divide N (K) and the stage count shrinks to fit shared memory.
+# Rows from benchmarks/autotune_ragged_dot.py on the H200 (README.md "Tiles").
+GMM_TABLE: tuple[tuple[tuple[int, int], GmmConfig], ...] = (
+    ((2048, 2048), GmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                             grid_minor_dim=0, grid_tile_width=8)),
+    ((64, 128), GmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
+)
+TGMM_TABLE: tuple[tuple[tuple[int, int], TgmmConfig], ...] = (
+    ((2048, 2048), TgmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                              grid_minor_dim=1, grid_tile_width=8)),
+    ((128, 64), TgmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
+)
+_BLOCK_N_CHOICES = (128, 64)   # per compute warpgroup
+_BLOCK_M_CHOICES = (128, 64)
+
+
+def gmm_config(m: int, k: int, n: int, in_dtype, out_dtype) -> GmmConfig | str:
+  """Heuristic "ws" gmm config for out [m, n] with contraction k, or why none fits."""
+  base = next((cfg for (min_k, min_n), cfg in GMM_TABLE if k >= min_k and n >= min_n), None)
+  if base is None:
+    return f"K={k}, N={n} below the smallest tile (K >= 64, N >= 128)"
+  block_m = next((b for b in _BLOCK_M_CHOICES if b <= base.block_m and m >= b), None)
+  if block_m is None:
+    return f"M={m} rows is below the smallest row tile {_BLOCK_M_CHOICES[-1]}"
+  if k % base.block_k:
+    return f"K={k} is not a multiple of block_k={base.block_k}"
+  block_n = next((b for b in _BLOCK_N_CHOICES if b <= base.block_n and n % (2 * b) == 0),
+                 None)
+  if block_n is None:
+    return f"N={n} is not a multiple of 2 * block_n for block_n in {_BLOCK_N_CHOICES}"
+  cfg = dataclasses.replace(base, block_m=block_m, block_n=block_n)
+  return _fit_stages(cfg, gmm_smem_bytes, in_dtype, out_dtype)
+
+
+def tgmm_config(m: int, k: int, n: int, in_dtype, out_dtype) -> TgmmConfig | str:
+  """Heuristic "ws" tgmm config for out [G, k, n] over m rows, or why none fits."""
+  del m
+  base = next((cfg for (min_k, min_n), cfg in TGMM_TABLE if k >= min_k and n >= min_n), None)
+  if base is None:
+    return f"K={k}, N={n} below the smallest tile (K >= 128, N >= 64)"
+  block_m = next((b for b in _BLOCK_M_CHOICES if b <= base.block_m and k % (2 * b) == 0),
+                 None)
+  if block_m is None:
+    return f"K={k} is not a multiple of 2 * block_m for block_m in {_BLOCK_M_CHOICES}"
+  block_n = next((b for b in _BLOCK_N_CHOICES if b <= base.block_n and n % b == 0), None)
+  if block_n is None:
+    return f"N={n} is not a multiple of block_n in {_BLOCK_N_CHOICES}"
+  cfg = dataclasses.replace(base, block_m=block_m, block_n=block_n)
+  return _fit_stages(cfg, tgmm_smem_bytes, in_dtype, out_dtype)
+
+
+def _fit_stages(cfg, smem_bytes, in_dtype, out_dtype):
+  while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
+    cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+  if smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
+    return f"{cfg} needs {smem_bytes(cfg, in_dtype, out_dtype)} B of shared memory"
+  return cfg
+
+
+def _check_common(lhs, rhs, out_dtype, interpret: bool) -> str | None:
+  if not interpret and not is_hopper():
+    return f"not an NVIDIA Hopper GPU ({jax.devices()[0].device_kind})"
+  if lhs.dtype != rhs.dtype or jnp.dtype(lhs.dtype) not in INPUT_DTYPES:
+    return f"needs lhs and rhs both bf16 or both f16, got {lhs.dtype} and {rhs.dtype}"
+  if jnp.dtype(out_dtype) not in (jnp.dtype(lhs.dtype), jnp.dtype(jnp.float32)):
+    return f"output dtype must be {lhs.dtype} or float32, got {jnp.dtype(out_dtype)}"
+  return None
+
+
+def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | None:
+  if cfg.kernel not in KERNELS:
+    return f"config.kernel must be one of {KERNELS}, got {cfg.kernel!r}"
+  cta_n = cfg.block_n * (2 if cfg.kernel == "ws" else 1)
+  if k % cfg.block_k:
+    return f"K={k} is not a multiple of block_k={cfg.block_k}"
+  if n % cta_n:
+    return f"N={n} is not a multiple of the CTA tile {cta_n}"
+  if cfg.kernel == "jax" and jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
+    return "JAX's ragged_dot_mgpu writes the input dtype only"
+  if cfg.kernel == "ws" and m < cfg.block_m:
+    return f"M={m} is below block_m={cfg.block_m}"
+  if cfg.kernel == "ws" and cfg.block_n % _swizzle_elems(in_dtype):
+    return (f"block_n={cfg.block_n} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
+            " swizzle tile (the warpgroups slice the rhs tile along it)")
+  if cfg.kernel == "ws" and gmm_smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
+    return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
+  return None
+
+
+def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) -> str | None:
+  if cfg.kernel not in KERNELS:
+    return f"config.kernel must be one of {KERNELS}, got {cfg.kernel!r}"
+  cta_m = cfg.block_m * (2 if cfg.kernel == "ws" else 1)
+  if k % cta_m:
+    return f"K={k} is not a multiple of the CTA tile {cta_m}"
+  if n % cfg.block_n:
+    return f"N={n} is not a multiple of block_n={cfg.block_n}"
+  if cfg.kernel == "ws" and cfg.block_m % _swizzle_elems(in_dtype):
+    return (f"block_m={cfg.block_m} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
+            " swizzle tile (the warpgroups slice the lhs tile along it)")
+  if cfg.kernel == "jax":
+    if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
+      return "JAX's transposed_ragged_dot_mgpu writes the input dtype only"
+    if interpret:
+      return ("JAX's transposed_ragged_dot_mgpu reads jax.devices()[0].core_count, "
+              "which CPU devices lack (AttributeError): no interpret mode")
+  if cfg.kernel == "ws" and tgmm_smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
+    return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
+  return None
+
+
+def supports_gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, out_dtype=None,
+                 interpret: bool = False, config: GmmConfig | None = None) -> str | None:
+  """None if `gmm` takes this call, else the reason it does not."""
+  del group_sizes
+  out_dtype = lhs.dtype if out_dtype is None else out_dtype
+  if reason := _check_common(lhs, rhs, out_dtype, interpret):
+    return reason
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if config is None:
+    config = gmm_config(m, k, n, lhs.dtype, out_dtype)
+    if isinstance(config, str):
+      return config
+  return _check_gmm_config(config, m, k, n, lhs.dtype, out_dtype)
+
+
+def supports_tgmm(lhs, rhs, group_sizes, *, out_dtype=None, interpret: bool = False,
+                  config: TgmmConfig | None = None) -> str | None:
+  """None if `tgmm` takes this call, else the reason it does not."""
+  del group_sizes
+  out_dtype = lhs.dtype if out_dtype is None else out_dtype
+  if reason := _check_common(lhs, rhs, out_dtype, interpret):
+    return reason
+  m, k = lhs.shape
+  n = rhs.shape[1]
+  if config is None:
+    config = tgmm_config(m, k, n, lhs.dtype, out_dtype)
+    if isinstance(config, str):
+      return config
+  return _check_tgmm_config(config, k, n, lhs.dtype, out_dtype, interpret)
+
+
+# ------------------------------------------------------------------------------------------
+# gmm: out[M, N] = lhs[M, K] @ rhs[g(row)]
+# ------------------------------------------------------------------------------------------
+
+def _store_rows(o_smem, o_gmem, smem_start, gmem_start, size, max_rows: int):
+  """TMA-stores o_smem rows [smem_start, + size) to o_gmem rows [gmem_start, + size), with a
+  ladder of power-of-two row counts (the trick of ragged_dot_mgpu: TMA boxes are static)."""
+  remaining = max_rows
+  while remaining > 0:
+    rows = 1 << int(math.log2(remaining))
+    remaining //= 2
+
+    @pl.when(size & rows != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(smem_start, rows)],
+                              o_gmem.at[pl.ds(gmem_start, rows)])
+
+    smem_start += size & rows
+    gmem_start += size & rows
+
+
+def _gmm_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int) -> jax.Array:
+  """Row tiles aligned to group starts (as CUTLASS grouped GEMM) rounded down to a multiple of
+  8 rows (TMA loads into tiled SMEM need 8-aligned rows): tile t of group i loads rows
+  [floor8(start_i) + t * block_m, + block_m) (rows past M read as zeros) and stores the ones
+  in [start_i, end_i). Returns int32 [4, grid_m]: group, first row loaded, offset of the
+  first stored row in the tile, rows stored (0 for the unused tail of the grid)."""
+  num = sizes_ext.shape[0]
+  ends = jnp.cumsum(sizes_ext)
+  starts = ends - sizes_ext
+  aligned = starts // 8 * 8
+  tiles = jnp.where(sizes_ext > 0, (ends - aligned + block_m - 1) // block_m, 0)
+  tile_end = jnp.cumsum(tiles)
+  t = jnp.arange(grid_m, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num - 1).astype(jnp.int32)
+  load0 = aligned[group] + (t - (tile_end - tiles)[group]) * block_m
+  first = jnp.maximum(load0, starts[group])
+  rows = jnp.where(t < tile_end[-1], jnp.minimum(load0 + block_m, ends[group]) - first, 0)
+  return jnp.stack([group, load0, first - load0, rows]).astype(jnp.int32)
+
+
+def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bool,
+            num_sms: int, interpret: bool):
+  """Warp-specialised gmm; sizes_ext [G + 1] = group sizes + rows past their sum (the padding
+  group, whose tiles store zeros)."""
+  m, k = lhs.shape
+  g = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  cta_n = 2 * bn
+  grid_m = pl.cdiv(m + 7 * (g + 1), bm) + g + 1   # >= the tiles of the G + 1 row groups
+  grid_n = n // cta_n
+  tiles = _gmm_tiles(sizes_ext, bm, grid_m)
+  transforms = _transforms(bk, lhs.dtype)
+  rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+
+  def make_pipeline(body, compute_context, row0, n_idx):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k // bk,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((pl.Element(bm), bk), lambda ki: (pl.multiple_of(row0, 8), ki),
+                            transforms=transforms),
+            plgpu.BlockSpec(rhs_block,
+                            (lambda ki: (n_idx, ki)) if transpose_rhs
+                            else (lambda ki: (ki, n_idx)),
+                            transforms=transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  def body(tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+    allocs = make_pipeline(ignore, ignore, 0, 0).get_allocations(lhs_gmem, rhs_gmem.at[0])
+
+    @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
+                       out_smem=plgpu.SMEM((2, bm, bn), out_dtype), collective_axes="wg")
+    def _scope(pipeline_allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+      def _tile(loop_info: plgpu.NDLoopInfo):
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n),
+                                    cfg.grid_minor_dim, cfg.grid_tile_width)
+        group = tiles_gmem[0, mi]
+        load0 = tiles_gmem[1, mi]
+        offset = tiles_gmem[2, mi]
+        rows = tiles_gmem[3, mi]
+        is_pad = group == g
+
+        def mma(_, a_smem, b_smem, acc_ref):
+          if transpose_rhs:
+            b = b_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0))
+          else:
+            b = b_smem.at[:, pl.ds(wg * bn, bn)]
+          plgpu.wgmma(acc_ref, a_smem, b)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          def _acc(acc_ref):
+            eval_pipeline(acc_ref)
+            o_smem = out_smem.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(is_pad)
+            def _():
+              o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+
+            @pl.when(jnp.logical_not(is_pad))
+            def _():
+              o_smem[...] = acc_ref[...].astype(out_dtype)
+
+            plgpu.commit_smem()
+            _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], offset,
+                        load0 + offset, rows, bm)
+
+        @pl.when(rows > 0)
+        def _():
+          make_pipeline(mma, compute_context, load0, ni)(
+              lhs_gmem, rhs_gmem.at[jnp.minimum(group, g - 1)], allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=_interpret_params(interpret),
+  )
+  return kernel(tiles, lhs, rhs)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+        out_dtype=None, interpret: bool = False, config: GmmConfig | None = None) -> jax.Array:
+  """out[M, N] = lhs[M, K] @ rhs[g] (rhs[g]^T with transpose_rhs) for the rows of group g;
+  rows past sum(group_sizes) are zero. Call `supports_gmm` first."""
+  out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if config is None:
+    config = gmm_config(m, k, n, lhs.dtype, out_dtype)
+  if reason := supports_gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                            out_dtype=out_dtype, interpret=interpret, config=config):
+    raise NotImplementedError(reason)
+  starts, ends = _row_bounds(group_sizes, m)
+  lhs_p = _pad_rows(lhs)
+  if config.kernel == "jax":
+    with plgpu.force_gpu_interpret_mode(_interpret_params(interpret)):
+      out = jax_ragged_dot.ragged_dot(
+          lhs_p, rhs, group_sizes=ends - starts, block_m=config.block_m,
+          block_n=config.block_n, block_k=config.block_k,
+          max_concurrent_steps=config.max_concurrent_steps,
+          grid_block_n=config.grid_tile_width, transpose_rhs=transpose_rhs)
+    return _zero_rows_past(out[:m], ends[-1])
+  sizes_ext = jnp.concatenate([ends - starts, (lhs_p.shape[0] - ends[-1])[None]])
+  out = _gmm_ws(lhs_p, rhs, sizes_ext, cfg=config, out_dtype=out_dtype,
+                transpose_rhs=transpose_rhs, num_sms=_num_sms(interpret), interpret=interpret)
+  return out[:m]
+
+
+# ------------------------------------------------------------------------------------------
+# tgmm: out[g] = lhs_g^T @ rhs_g  (the weight gradient)
+# ------------------------------------------------------------------------------------------
+
+def _mask_rows(a_smem, keep):
+  """Zeroes the rows r of an SMEM tile [rows, cols] where keep(r) is False (in place)."""
+  rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, a_smem.shape, 0),
+                           plgpu.Layout.WGMMA)
+  a_smem[...] = a_smem[...] * keep(rows).astype(a_smem.dtype)
+  plgpu.commit_smem()
+
+
+def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dtype,
+             num_sms: int, interpret: bool):
+  """Warp-specialised tgmm; the compute warpgroups split the K rows of each output tile."""
+  m, k = lhs.shape
+  n = rhs.shape[1]
+  g = num_groups
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  cta_m = 2 * bm
+  grid_m = k // cta_m
+  grid_n = n // bn
+  first_block = starts // bk
+  num_blocks = jnp.where(ends > starts, pl.cdiv(ends, bk) - first_block, 0).astype(jnp.int32)
+  lhs_transforms = _transforms(cta_m, lhs.dtype)
+  rhs_transforms = _transforms(bn, rhs.dtype)
+  out_transforms = _transforms(bn, out_dtype)
+
+  def make_pipeline(body, compute_context, steps, block0, m_idx, n_idx):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((bk, cta_m), lambda kb: (block0 + kb, m_idx),
+                            transforms=lhs_transforms),
+            plgpu.BlockSpec((bk, bn), lambda kb: (block0 + kb, n_idx),
+                            transforms=rhs_transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+    allocs = make_pipeline(ignore, ignore, nblocks_gmem[0], 0, 0, 0).get_allocations(
+        lhs_gmem, rhs_gmem)
+
+    @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
+                       out_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=out_transforms),
+                       collective_axes="wg")
+    def _scope(pipeline_allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+      def _tile(loop_info: plgpu.NDLoopInfo):
+        gi = loop_info.index[0]
+        mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n),
+                                    cfg.grid_minor_dim, cfg.grid_tile_width)
+        steps = nblocks_gmem[gi]
+        first_row = lax.rem(starts_gmem[gi], bk)
+        last_row = lax.rem(ends_gmem[gi] - 1, bk)
+
+        def mma(idxs, a_smem, b_smem, acc_ref):
+          (kb,) = idxs
+          a = a_smem.at[:, pl.ds(wg * bm, bm)]
+
+          @pl.when(kb == 0)
+          def _():
+            _mask_rows(a, lambda r: r >= first_row)
+
+          @pl.when(kb == steps - 1)
+          def _():
+            _mask_rows(a, lambda r: r <= last_row)
+
+          plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          def _acc(acc_ref):
+            eval_pipeline(acc_ref)
+            o_smem = out_smem.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = acc_ref[...].astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem, out_gmem.at[gi, pl.ds(mi * cta_m + wg * bm, bm), pl.ds(ni * bn, bn)])
+
+        make_pipeline(mma, compute_context, steps, first_gmem[gi], mi, ni)(
+            lhs_gmem, rhs_gmem, allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=_interpret_params(interpret),
+  )
+  del m
+  return kernel(starts, ends, first_block, num_blocks, lhs, rhs)
+
+
+def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
+         interpret: bool = False, config: TgmmConfig | None = None) -> jax.Array:
+  """out[g] = lhs[rows of g]^T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N]; empty
+  groups give zeros and rows past sum(group_sizes) take no part. Call `supports_tgmm` first."""
+  out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
+  m, k = lhs.shape
+  n = rhs.shape[1]
+  if config is None:
+    config = tgmm_config(m, k, n, lhs.dtype, out_dtype)
+  if reason := supports_tgmm(lhs, rhs, group_sizes, out_dtype=out_dtype, interpret=interpret,
+                             config=config):
+    raise NotImplementedError(reason)
+  starts, ends = _row_bounds(group_sizes, m)
+  lhs, rhs = _pad_rows(lhs), _pad_rows(rhs)
+  if config.kernel == "jax":
+    return jax_transposed.transposed_ragged_dot(
+        lhs, rhs, group_sizes=ends - starts, block_m=config.block_m, block_n=config.block_n,
+        block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
+        grid_block_n=config.grid_tile_width)
+  return _tgmm_ws(lhs, rhs, starts, ends, num_groups=group_sizes.shape[0], cfg=config,
+                  out_dtype=out_dtype, num_sms=_num_sms(interpret), interpret=interpret)

@@ -1,0 +1,203 @@
+"""Grouped matmul (MoE experts) on CPU: every tier against a float64 loop-over-groups oracle.
+
+The kernel tiers run in their interpret modes: megablox through Pallas's HLO interpreter
+(`interpret=True`), the Mosaic GPU kernels under `plgpu.InterpretGPUParams` (simulated SMEM,
+warpgroups, barriers and TMA). Forward, d_lhs and d_rhs are checked with empty groups,
+one-row groups, uneven sizes, group starts off the 8-row TMA alignment and rows past
+sum(group_sizes) (which must come out exactly zero, as must their d_lhs rows).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_dot import mosaic_gpu
+from pallas_kernels.ragged_dot import plan
+from pallas_kernels.ragged_dot import plan_transposed
+from pallas_kernels.ragged_dot import ragged_dot
+from pallas_kernels.ragged_dot import transposed_ragged_dot
+
+# bf16 inputs and outputs, fp32 accumulation: relative L2 error ~3e-3 from the final bf16
+# rounding (2^-9 relative per element); 1e-2 leaves a factor 3, while a missing or misplaced
+# row or tile gives O(1).
+BF16_TOL = 1e-2
+F32_TOL = 1e-5      # fp32 output of bf16 products: exact up to fp32 summation order
+K, N = 128, 128
+CASES = {
+    # 13 padding rows; empty group; one-row group; M not a multiple of 8 or of the tiles
+    "pad_rows": (203, (37, 0, 1, 101, 51)),
+    # groups fill M; empty first and last groups; a one-row group at a tile boundary
+    "full": (192, (0, 64, 1, 90, 37, 0)),
+}
+
+
+def rel_err(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def group_of_rows(sizes, m: int) -> np.ndarray:
+  """Group index of each row, -1 past sum(sizes)."""
+  gid = np.full(m, -1)
+  ends = np.cumsum(sizes)
+  for g, (s, e) in enumerate(zip(ends - np.asarray(sizes), ends)):
+    gid[s:e] = g
+  return gid
+
+
+def oracle(x, w, ct, sizes):
+  """float64 loop over rows: out[r] = x[r] w[g(r)], its d_lhs and d_rhs for cotangent ct."""
+  x, w, ct = (np.asarray(a, np.float64) for a in (x, w, ct))
+  gid = group_of_rows(sizes, x.shape[0])
+  out = np.zeros((x.shape[0], w.shape[2]))
+  dx = np.zeros_like(x)
+  dw = np.zeros_like(w)
+  for r, g in enumerate(gid):
+    if g >= 0:
+      out[r] = x[r] @ w[g]
+      dx[r] = ct[r] @ w[g].T
+      dw[g] += np.outer(x[r], ct[r])
+  return out, dx, dw
+
+
+def inputs(case: str, dtype=jnp.bfloat16):
+  m, sizes = CASES[case]
+  kx, kw, kc = jax.random.split(jax.random.key(len(sizes) + m), 3)
+  x = jax.random.normal(kx, (m, K), jnp.float32).astype(dtype)
+  w = jax.random.normal(kw, (len(sizes), K, N), jnp.float32).astype(dtype)
+  ct = jax.random.normal(kc, (m, N), jnp.float32).astype(dtype)
+  return x, w, ct, jnp.asarray(sizes, jnp.int32)
+
+
+def fwd_bwd(impl: str, x, w, ct, gs, **kwargs):
+  out, vjp = jax.vjp(lambda a, b: ragged_dot(a, b, gs, impl=impl, interpret=True, **kwargs),
+                     x, w)
+  return (out, *vjp(ct))
+
+
+@pytest.mark.parametrize("impl, case", [
+    ("xla", "pad_rows"), ("mosaic_gpu", "pad_rows"), ("mosaic_gpu", "full"),
+    ("mosaic_tpu", "pad_rows"), ("mosaic_tpu", "full"),
+])
+def test_ragged_dot_forward_and_gradients(impl, case):
+  x, w, ct, gs = inputs(case)
+  p = plan(x, w, gs, impl=impl, interpret=True)
+  assert (p.forward, p.d_lhs, p.d_rhs) == (impl,) * 3, p.declined
+  got = fwd_bwd(impl, x, w, ct, gs)
+  want = oracle(x, w, ct, CASES[case][1])
+  for name, a, b in zip(("out", "d_lhs", "d_rhs"), got, want):
+    assert a.dtype == jnp.bfloat16, name
+    assert rel_err(a, b) < BF16_TOL, (name, rel_err(a, b))
+  pad = group_of_rows(CASES[case][1], x.shape[0]) < 0
+  assert not np.any(np.asarray(got[0], np.float32)[pad]), "rows past sum(group_sizes)"
+  assert not np.any(np.asarray(got[1], np.float32)[pad]), "d_lhs rows past sum(group_sizes)"
+
+
+@pytest.mark.parametrize("impl", ["mosaic_gpu", "mosaic_tpu"])
+def test_fp32_output(impl):
+  x, w, ct, gs = inputs("pad_rows")
+  out = ragged_dot(x, w, gs, preferred_element_type=jnp.float32, impl=impl, interpret=True)
+  assert out.dtype == jnp.float32
+  assert rel_err(out, oracle(x, w, ct, CASES["pad_rows"][1])[0]) < F32_TOL
+
+
+def test_jax_example_kernels_forward_and_d_lhs():
+  """JAX's own ragged_dot_mgpu (config kernel="jax"), plain and with transpose_rhs."""
+  x, w, ct, gs = inputs("pad_rows")
+  cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2,
+                             kernel="jax")
+  out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
+  d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
+  want_out, want_dx, _ = oracle(x, w, ct, CASES["pad_rows"][1])
+  assert rel_err(out, want_out) < BF16_TOL
+  assert rel_err(d_lhs, want_dx) < BF16_TOL
+
+
+def test_jax_example_transposed_kernel_has_no_interpret_mode():
+  x, _, ct, gs = inputs("pad_rows")
+  reason = mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True,
+                                    config=mosaic_gpu.TgmmConfig(block_m=64, block_n=64,
+                                                                 kernel="jax"))
+  assert "core_count" in reason
+
+
+@pytest.mark.parametrize("impl", ["xla", "mosaic_gpu"])
+def test_transposed_ragged_dot_and_gradients(impl):
+  """out[g] = x_g^T ct_g and its gradients (both gmm products)."""
+  x, w, ct, gs = inputs("pad_rows")
+  sizes = CASES["pad_rows"][1]
+  p = plan_transposed(x, ct, gs, impl=impl, interpret=True)
+  assert (p.forward, p.d_lhs, p.d_rhs) == (impl,) * 3, p.declined
+  out, vjp = jax.vjp(lambda a, b: transposed_ragged_dot(a, b, gs, impl=impl, interpret=True),
+                     x, ct)
+  d_x, d_ct = vjp(w)                     # cotangent [G, K, N]
+  # out = the oracle's d_rhs; with cotangent w: d_x[r] = ct[r] w[g]^T, d_ct[r] = x[r] w[g].
+  want_dct, want_dx, want_out = oracle(x, w, ct, sizes)
+  for name, a, b in (("out", out, want_out), ("d_lhs", d_x, want_dx),
+                     ("d_rhs", d_ct, want_dct)):
+    assert rel_err(a, b) < BF16_TOL, (name, rel_err(a, b))
+  assert not np.any(np.asarray(out, np.float32)[1]), "empty group"
+
+
+def test_falls_through_with_reasons():
+  x, w, ct, gs = inputs("pad_rows")
+  on_cpu = plan(x, w, gs, impl="mosaic_gpu")
+  assert (on_cpu.forward, on_cpu.d_lhs, on_cpu.d_rhs) == ("xla",) * 3
+  assert all("not an NVIDIA Hopper GPU" in r for _, tier, r in on_cpu.declined)
+  f32 = plan(x.astype(jnp.float32), w.astype(jnp.float32), gs, impl="mosaic_gpu",
+             interpret=True)
+  assert f32.forward == "xla" and "bf16" in f32.declined[0][2]
+  odd_k = plan(x[:, :96], w[:, :96], gs, impl="mosaic_gpu", interpret=True)
+  assert odd_k.forward == "xla" and "block_k" in odd_k.declined[0][2]
+  got = ragged_dot(x[:, :96], w[:, :96], gs, impl="mosaic_gpu", interpret=True)
+  want = oracle(x[:, :96], w[:, :96], ct, CASES["pad_rows"][1])[0]
+  assert rel_err(got, want) < BF16_TOL
+
+
+def test_bad_arguments():
+  x, w, _, gs = inputs("pad_rows")
+  with pytest.raises(ValueError, match="impl must be None or one of"):
+    ragged_dot(x, w, gs, impl="cuda")
+  with pytest.raises(ValueError, match="group_sizes must be an integer"):
+    ragged_dot(x, w, gs.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"group_sizes must have shape \[G\] = \(5,\)"):
+    ragged_dot(x, w, gs[:4])
+  with pytest.raises(ValueError, match="rhs must be"):
+    ragged_dot(x, w[:, :64], gs)
+  with pytest.raises(ValueError, match="lhs must be a floating"):
+    ragged_dot(x.astype(jnp.int32), w, gs)
+
+
+@pytest.mark.parametrize("g, m, k, n", [(32, 32768, 3584, 3072), (32, 32768, 3072, 3584),
+                                        (8, 16384, 3584, 6144)])
+def test_heuristic_tiles_fit_k3_shapes(g, m, k, n):
+  """The table gives a "ws" config within shared memory for all three products."""
+  del g
+  bf16 = jnp.bfloat16
+  for cfg in (mosaic_gpu.gmm_config(m, k, n, bf16, bf16),
+              mosaic_gpu.gmm_config(m, n, k, bf16, bf16)):
+    assert isinstance(cfg, mosaic_gpu.GmmConfig), cfg
+    assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
+  cfg = mosaic_gpu.tgmm_config(m, k, n, bf16, bf16)
+  assert isinstance(cfg, mosaic_gpu.TgmmConfig), cfg
+  assert mosaic_gpu.tgmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
+
+
+@pytest.mark.parametrize("g, m, k, n", [(32, 32768, 3584, 3072), (5, 203, 128, 128)])
+def test_kernels_lower_for_hopper(monkeypatch, g, m, k, n):
+  """Mosaic GPU lowering (layout inference, TMA tiling rules, SMEM allocation) runs on CPU:
+  lower the forward, d_lhs and d_rhs kernels for CUDA without running them. Interpret mode
+  does not check these rules (it ran M = 203 before the wrapper padded M to a multiple of 8;
+  lowering refused it)."""
+  monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda interpret: 132)
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+  products = [
+      (lambda a, b, c: mosaic_gpu.gmm(a, b, c), (s(m, k), s(g, k, n), gs)),
+      (lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True), (s(m, n), s(g, k, n), gs)),
+      (lambda a, b, c: mosaic_gpu.tgmm(a, b, c), (s(m, k), s(m, n), gs)),
+  ]
+  for fn, args in products:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

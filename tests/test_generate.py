@@ -1,0 +1,240 @@
+"""Tests for k3jax.generate and launch.generate."""
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import k3jax  # noqa: F401
+from k3jax import checkpoint, config, data, generate, loop, train
+from k3jax.model import K3ForCausalLM
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TINY = os.path.join(_ROOT, "experiments", "configs", "k3_tiny.py")
+# Layer 1 KDA + dense FFN, layer 2 gated MLA + LatentMoE, wired by Block AttnRes.
+_SMALL = {"model.num_layers": 2, "model.full_attn_layers": (2,), "model.first_k_dense_replace": 1,
+          "model.attn_res_block_size": 1, "model.moe.num_experts": 4}
+_NEW = 5
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = config.load(_TINY, _SMALL)
+  model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0))
+  prompt = np.random.default_rng(0).integers(0, 256, (2, 4)).astype(np.int32)
+  return model, prompt
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny):
+  model, prompt = tiny
+  return generate.generate(model, prompt, max_new_tokens=_NEW)
+
+
+# ------------------------------------------------------------------------- sample_logits
+
+
+def _nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+  """Oracle: softmax(logits / T), keep the smallest top set with mass >= top_p, renormalise."""
+  p = np.exp((logits - logits.max()) / temperature)
+  p /= p.sum()
+  order = np.argsort(-p)
+  k = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+  out = np.zeros_like(p)
+  out[order[:k]] = p[order[:k]] / p[order[:k]].sum()
+  return out
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.7), (2.0, 0.7), (0.5, 1.0)])
+def test_sampling_follows_the_nucleus(temperature, top_p):
+  logits = np.log(np.array([0.04, 0.4, 0.1, 0.25, 0.06, 0.15]))
+  want = _nucleus_probs(logits, temperature, top_p)
+  n = 20000
+  draws = np.asarray(generate.sample_logits(jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1)),
+                                            jax.random.key(7), temperature=temperature,
+                                            top_p=top_p))
+  freq = np.bincount(draws, minlength=logits.size) / n
+  assert np.all(freq[want == 0] == 0), (freq, want)  # never outside the nucleus
+  np.testing.assert_allclose(freq, want, atol=0.015)
+
+
+def test_sample_logits_greedy_and_reproducible():
+  logits = jax.random.normal(jax.random.key(0), (3, 50))
+  np.testing.assert_array_equal(
+      generate.sample_logits(logits, jax.random.key(1), temperature=0.0),
+      np.argmax(np.asarray(logits), -1))
+  a = generate.sample_logits(logits, jax.random.key(1), temperature=1.0, top_p=0.9)
+  b = generate.sample_logits(logits, jax.random.key(1), temperature=1.0, top_p=0.9)
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(
+      generate.sample_logits(logits, jax.random.key(1), temperature=1.0, top_p=1e-6),
+      np.argmax(np.asarray(logits), -1))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1.0, top_p=0.0), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p")])
+def test_sample_logits_rejects_bad_settings(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    generate.sample_logits(jnp.zeros((1, 4)), jax.random.key(0), **kwargs)
+
+
+def test_sample_logits_rejects_bad_logits():
+  with pytest.raises(ValueError, match=r"logits must be a floating \[B, V\]"):
+    generate.sample_logits(jnp.zeros((4,)), jax.random.key(0), temperature=1.0)
+
+
+# ------------------------------------------------------------------------------ generate
+
+
+def test_greedy_equals_full_forward_loop(tiny, greedy):
+  """The dual cache end to end: the cached decode picks what the uncached forward picks."""
+  model, prompt = tiny
+  last_logits = nnx.jit(lambda m, x: m(x)[0][:, -1])
+  seq = prompt
+  for _ in range(_NEW):  # re-run the whole, growing sequence every step
+    nxt = np.argmax(np.asarray(last_logits(model, jnp.asarray(seq))), -1).astype(np.int32)
+    seq = np.concatenate([seq, nxt[:, None]], axis=1)
+  assert greedy.shape == (2, 4 + _NEW) and greedy.dtype == np.int32
+  np.testing.assert_array_equal(greedy, seq)
+
+
+def test_top_p_tiny_is_greedy(tiny, greedy):
+  model, prompt = tiny
+  out = generate.generate(model, prompt, max_new_tokens=_NEW, temperature=1.0, top_p=1e-6,
+                          seed=5)
+  np.testing.assert_array_equal(out, greedy)
+
+
+def test_sampling_is_reproducible(tiny):
+  model, prompt = tiny
+  run = lambda seed: generate.generate(model, prompt, max_new_tokens=_NEW, temperature=1.0,
+                                       top_p=0.95, seed=seed)
+  a, b, c = run(3), run(3), run(4)
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(a[:, :4], prompt)
+  assert not np.array_equal(a, c)
+
+
+def test_eos_stops_a_row(tiny, greedy):
+  model, prompt = tiny
+  eos = int(greedy[0, 5])  # row 0's second new token
+  out = generate.generate(model, prompt, max_new_tokens=_NEW, eos_id=eos)
+  want = greedy.copy()
+  for row in want:
+    hits = np.flatnonzero(row[4:] == eos)
+    if hits.size:
+      row[4 + hits[0]:] = eos
+  np.testing.assert_array_equal(out, want[:, :out.shape[1]])
+  assert out.shape[1] == 4 + _NEW or np.all(out[:, -1] == eos)
+  # Both rows finish when row 0 first emits eos: decoding stops there.
+  first = 4 + int(np.flatnonzero(greedy[0, 4:] == eos)[0])
+  both = generate.generate(model, prompt[[0, 0]], max_new_tokens=_NEW, eos_id=eos)
+  np.testing.assert_array_equal(both, greedy[[0, 0], :first + 1])
+
+
+def test_zero_new_tokens_returns_the_prompt(tiny):
+  model, prompt = tiny
+  np.testing.assert_array_equal(generate.generate(model, prompt, max_new_tokens=0), prompt)
+
+
+@pytest.mark.parametrize("prompt,kwargs,match", [
+    (np.zeros((4,), np.int32), {}, "prompt_tokens"),
+    (np.zeros((1, 0), np.int32), {}, "prompt_tokens"),
+    (np.full((1, 3), 258, np.int32), {}, "vocab_size"),
+    (np.zeros((1, 3), np.int32), dict(max_new_tokens=-1), "max_new_tokens"),
+    (np.zeros((1, 3), np.int32), dict(eos_id=258), "eos_id"),
+    (np.zeros((1, 3), np.int32), dict(seed=-1), "seed"),
+    (np.zeros((1, 3), np.int32), dict(top_p=2.0), "top_p")])
+def test_generate_rejects_bad_arguments(tiny, prompt, kwargs, match):
+  model, _ = tiny
+  with pytest.raises(ValueError, match=match):
+    generate.generate(model, prompt, **{"max_new_tokens": 2, **kwargs})
+
+
+# ----------------------------------------------------------------- load_model and launch
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """A 2-step training run of a small k3_tiny with a checkpoint after each step."""
+  cfg = config.load(_TINY, {**_SMALL, "train.steps": 2, "train.checkpoint_every": 1,
+                            "train.global_batch_size": 2, "train.seq_len": 16,
+                            "train.log_every": 1, "data.default_num_docs": 20})
+  path = str(tmp_path_factory.mktemp("run"))
+  loop.run(cfg, path)
+  return path
+
+
+def _pure(model):
+  _, params, buffers = nnx.split(model, nnx.Param, ...)
+  return nnx.to_pure_dict(params), nnx.to_pure_dict(buffers)
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_load_model_restores_the_saved_params(workdir):
+  model, cfg, step = generate.load_model(workdir)
+  assert step == 2 and cfg.train.steps == 2
+  # Oracle: the training side's reader restores the whole train state and the data iterator.
+  abstract = jax.eval_shape(lambda: train.init(cfg, cfg.train.seed)[1])
+  it = data.make_train_iterator(cfg.data, seq_len=cfg.train.seq_len,
+                                batch_size=cfg.train.global_batch_size,
+                                vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+  ckpt = checkpoint.Checkpointer(workdir, every_n_steps=1, max_to_keep=3)
+  saved_step, saved = ckpt.restore_latest(abstract, it)
+  ckpt.close()
+  assert saved_step == 2
+  params, buffers = _pure(model)
+  _assert_trees_equal(params, saved["params"])
+  _assert_trees_equal(buffers, saved["buffers"])
+  first, _, one = generate.load_model(workdir, step=1)
+  assert one == 1
+  assert any(not np.array_equal(x, y) for x, y in
+             zip(jax.tree.leaves(_pure(first)[0]), jax.tree.leaves(params)))
+
+
+def test_load_model_skips_an_unreadable_step(workdir, tmp_path):
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  shutil.rmtree(os.path.join(copy, "checkpoints", "2", "state"))
+  model, _, step = generate.load_model(copy)
+  want, _, _ = generate.load_model(workdir, step=1)
+  assert step == 1
+  _assert_trees_equal(_pure(model), _pure(want))
+  assert os.path.isdir(os.path.join(copy, "checkpoints", "2"))  # left where it was
+
+
+def test_load_model_errors(workdir, tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    generate.load_model(str(tmp_path))
+  shutil.copy(os.path.join(workdir, "config.json"), tmp_path / "config.json")
+  with pytest.raises(FileNotFoundError, match="no checkpoints"):
+    generate.load_model(str(tmp_path))
+  os.makedirs(tmp_path / "checkpoints")
+  with pytest.raises(FileNotFoundError, match="no checkpoints"):
+    generate.load_model(str(tmp_path))
+  with pytest.raises(ValueError, match=r"step 7 has no checkpoint.*available steps: \[1, 2\]"):
+    generate.load_model(workdir, step=7)
+
+
+def test_launch_generate_prints_a_continuation(workdir):
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.generate", f"--workdir={workdir}", "--prompt=count by 2",
+       "--max_new_tokens=6", "--temperature=0"],
+      cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == f"[k3_tiny, step 2, {workdir}]"
+  assert lines[1] == "prompt: count by 2"
+  assert lines[2].startswith("continuation: ")
