@@ -27,6 +27,9 @@ _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (JAX).")
 
 
+_KEY = ("op", "implementation", "pass", "B", "T", "H", "K", "V", "dtype", "device")
+
+
 def kda_flops(b: int, t: int, h: int, d: int = 128, c: int = 64) -> float:
   """Forward FLOPs, Kimi Linear Eq. 13: B H (6 T d^2 + 3 T C d + T C^2)."""
   return b * h * (6 * t * d * d + 3 * t * c * d + t * c * c)
@@ -131,7 +134,10 @@ def main(argv):
                    gbytes_per_s=round(kda_bytes(b, t, h) / ms / 1e6, 1) if p == "fwd" else None,
                    device=device, date=date, versions=vers)
         records.append(rec)
-        rows.append(f"{shape:>12s} {impl:>16s} {p:>8s} {ms:9.3f} ms {rec['tflops']:8.2f} TFLOP/s")
+        row = f"{shape:>12s} {impl:>16s} {p:>8s} {ms:9.3f} ms {rec['tflops']:8.2f} TFLOP/s"
+        rows.append(row)
+        print(row, flush=True)
+      common.merge_records(_OUT.value, records, _KEY)
     if "fla" in outputs:
       ref = outputs["fla"]
       for impl, o in outputs.items():
@@ -141,8 +147,7 @@ def main(argv):
           if r.get("implementation") == impl and r.get("T") == t and r.get("H") == h and \
              r.get("B") == b and r.get("pass") == "fwd":
             r["rel_err_vs_fla"] = err
-  common.merge_records(_OUT.value, records,
-                       ("op", "implementation", "pass", "B", "T", "H", "K", "V", "dtype", "device"))
+  common.merge_records(_OUT.value, records, _KEY)
   print("\n".join(rows))
 
 

@@ -297,8 +297,8 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
       for pass_ in ("fwd", "fwd+bwd"):
         rec.fail("moe_gmm", "torch_grouped_mm", pass_, shape, e, **extra)
     del x, w, d_out
+    merge_records(out, rec.records)
 
-  merge_records(out, rec.records)
   print_table(rec.records)
   return rec.records
 

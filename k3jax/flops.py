@@ -12,6 +12,7 @@ import ml_collections
 from flax import nnx
 
 from k3jax import config as config_lib
+from k3jax.model import K3ForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,6 @@ class ParamCount:
 
 def abstract_model(model_cfg: ml_collections.ConfigDict, model_cls=None):
   """The model with ShapeDtypeStruct parameters: nothing is allocated."""
-  from k3jax.model import K3ForCausalLM
   cls = model_cls or K3ForCausalLM
   return nnx.eval_shape(lambda: cls(model_cfg, rngs=nnx.Rngs(0)))
 

@@ -128,11 +128,15 @@ class KDA(nnx.Module):
     g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, d_h), self.gate_kind,
                     self.lower_bound)
     beta = jax.nn.sigmoid((x @ w(self.b_proj)).astype(jnp.float32))
-    o, state = kda_ops.chunk_kda(
-        q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
-        output_final_state=cache is not None, segment_ids=segment_ids,
-        gate_bound=self.lower_bound if self.gate_kind == "lower_bound" else None,
-        impl=self.impl or None)
+    if cache is not None and t == 1:
+      o, state = kda_ops.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache["state"],
+                                             output_final_state=True)
+    else:
+      o, state = kda_ops.chunk_kda(
+          q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
+          output_final_state=cache is not None, segment_ids=segment_ids,
+          gate_bound=self.lower_bound if self.gate_kind == "lower_bound" else None,
+          impl=self.impl or None)
     if self.use_full_rank_gate:
       z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
     else:

@@ -9,7 +9,6 @@ from typing import Sequence
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("pipeline", "data", "expert", "context")

@@ -29,7 +29,8 @@ def _losses(workdir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
-  history = loop.run(config.load("experiments/configs/k3_tiny.py", OVERRIDES), workdir)
+  history = loop.run(config.load("experiments/configs/k3_tiny.py", OVERRIDES), workdir,
+                     profile_window=(2, 4))
   return workdir, history
 
 
@@ -41,6 +42,8 @@ def test_loss_falls_and_outputs_are_written(uninterrupted):
   assert all(h["tokens_per_sec"] > 0 and h["mfu"] > 0 for h in history)
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert "16" in os.listdir(os.path.join(workdir, "checkpoints"))
+  traces = [f for _, _, files in os.walk(os.path.join(workdir, "profile")) for f in files]
+  assert any(f.endswith(".xplane.pb") for f in traces), traces
   assert config.from_json(open(os.path.join(workdir, "config.json")).read()).train.steps == 16
 
 

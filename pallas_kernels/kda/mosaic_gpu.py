@@ -395,16 +395,12 @@ def segment_counts(segment_ids: jax.Array, pad: int) -> jax.Array:
   return counts.reshape(b, t).astype(_F32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float,
-            interpret=False) -> tuple[jax.Array, jax.Array]:
-  """The kernel alone: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
+def prepare(q, k, v, g, beta, initial_state, segment_ids) -> tuple[jax.Array, ...]:
+  """XLA side of `forward`: the kernel's inputs from the API's.
 
-  `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
-
-  XLA prepares the inputs: zero padding of T to a multiple of 64 (g = beta = 0
-  leaves the state unchanged), bf16 q/k/v, the fp32 chunk-local cumsum G of g
-  and its rows `MARKS`, beta as [B, H, T] and the segment counts.
+  Zero-pads T to a multiple of 64 (g = beta = 0 leaves the state unchanged);
+  returns bf16 q, k, v; the fp32 chunk-local cumsum G of g [B, T, H, K] and its
+  rows `MARKS` [B, 4 N, H, K]; beta [B, H, T]; segment counts [B, T]; h0.
   """
   b, t, h, kd = q.shape
   dv = v.shape[-1]
@@ -421,20 +417,31 @@ def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float,
   marks = g_cum[:, :, MARKS].reshape(b, n * len(MARKS), h, kd)
   g_cum = g_cum.reshape(b, n * CHUNK, h, kd)
   beta_t = jnp.swapaxes(padded(beta, _F32), 1, 2)
-  has_segments = segment_ids is not None
-  if has_segments:
-    counts = segment_counts(segment_ids, pad)
-  else:
+  if segment_ids is None:
     counts = jnp.zeros((b, n * CHUNK), _F32)
+  else:
+    counts = segment_counts(segment_ids, pad)
   if initial_state is None:
     h0 = jnp.zeros((b, h, kd, dv), _F32)
   else:
     h0 = initial_state.astype(_F32)
+  return qp, kp, vp, g_cum, marks, beta_t, counts, h0
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float,
+            interpret=False) -> tuple[jax.Array, jax.Array]:
+  """`prepare` and the kernel: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
+
+  `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
+  """
+  t = q.shape[1]
+  args = prepare(q, k, v, g, beta, initial_state, segment_ids)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
-  cfg = _Config(num_chunks=n, key_dim=kd, scale=scale, has_segments=has_segments,
-                interpret=bool(interpret))
-  o, s = _forward_padded(qp, kp, vp, g_cum, marks, beta_t, counts, h0, cfg, interpret or None)
+  cfg = _Config(num_chunks=args[0].shape[1] // CHUNK, key_dim=q.shape[-1], scale=scale,
+                has_segments=segment_ids is not None, interpret=bool(interpret))
+  o, s = _forward_padded(*args, cfg, interpret or None)
   return o[:, :t].astype(q.dtype), s
 
 

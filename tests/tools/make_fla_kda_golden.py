@@ -9,10 +9,17 @@ the oracle module `fla/ops/kda/naive.py` is loaded by its file path.
 Each file holds float32 inputs q, k (L2-normalised), v, g, beta, optionally h0
 and scale, and fla's outputs o and ht (the final state [B, H, K, V]).
 """
+from importlib import metadata
 import importlib.util
 import os
 import pathlib
 import subprocess
+
+try:
+  import numpy as np
+  import torch
+except ImportError:  # Not the golden venv: main() re-runs this file there.
+  np = torch = None
 
 VENV = pathlib.Path(os.environ.get("VENV", "/tmp/fla_golden"))
 OUT_DIR = pathlib.Path(__file__).resolve().parents[1] / "golden"
@@ -26,6 +33,7 @@ CASES = {
 
 
 def _reexec_in_venv() -> None:
+  """Creates VENV if needed and replaces this process with this script run there."""
   python = VENV / "bin" / "python"
   if not python.exists():
     subprocess.run(["python3.11", "-m", "venv", str(VENV)], check=True)
@@ -34,6 +42,7 @@ def _reexec_in_venv() -> None:
 
 
 def _load_naive():
+  """fla's `naive_recurrent_kda`, loaded from fla/ops/kda/naive.py by path."""
   spec = importlib.util.find_spec("fla")
   path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
   module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
@@ -42,9 +51,8 @@ def _load_naive():
   return module.naive_recurrent_kda
 
 
-def _inputs(rng, b, t, h, dk, dv, gate, with_h0):
-  import numpy as np
-
+def _inputs(rng, b: int, t: int, h: int, dk: int, dv: int, gate: str, with_h0: bool) -> dict:
+  """fp32 inputs like `pallas_kernels.kda.reference.example_inputs`, from NumPy's rng."""
   def unit(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
@@ -68,12 +76,8 @@ def _inputs(rng, b, t, h, dk, dv, gate, with_h0):
 
 
 def main() -> None:
-  try:
-    import numpy as np
-    import torch
-  except ImportError:
+  if torch is None:
     _reexec_in_venv()
-  import fla
   naive_recurrent_kda = _load_naive()
   OUT_DIR.mkdir(parents=True, exist_ok=True)
   for seed, (name, (b, t, h, dk, dv, gate, with_h0, scale)) in enumerate(CASES.items()):
@@ -86,7 +90,7 @@ def main() -> None:
     extra = {} if scale is None else {"scale": np.float32(scale)}
     path = OUT_DIR / f"{name}.npz"
     np.savez(path, **x, **extra, o=o.numpy(), ht=ht.numpy(),
-             source=np.str_(f"fla-core {fla.__version__} naive_recurrent_kda, "
+             source=np.str_(f"fla-core {metadata.version('fla-core')} naive_recurrent_kda, "
                             f"torch {torch.__version__}"))
     print(f"wrote {path} ({path.stat().st_size} bytes)")
 

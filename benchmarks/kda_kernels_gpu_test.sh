@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Fused Mosaic GPU KDA kernel (pallas_kernels/kda/mosaic_gpu.py) on a Hopper GPU.
+#
+#   bash benchmarks/kda_kernels_gpu_test.sh               # pytest -k mosaic_gpu, compiled (no interpreter)
+#   bash benchmarks/kda_kernels_gpu_test.sh --bench       # the tests, then the forward timed against fla
+#   bash benchmarks/kda_kernels_gpu_test.sh --bench-only  # only the timing
+#
+# Timing: B=1, T=8192, K=V=128, bf16 q/k/v (unit-norm q, k), fp32 g = -5 sigmoid(x), beta in (0, 1);
+# forward only. fla-core's chunk_kda (pure Triton, FLA_DISABLE_BACKEND_DISPATCH=1) runs on the same
+# inputs when `fla` imports (carry its wheel); the table also gives the relative L2 difference of
+# the two outputs. JAX times are per call over back-to-back calls (median of 5 blocks of 10 calls).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export K3JAX_KDA_TEST_ON_DEVICE=1
+mode="${1:-}"
+
+if [[ "$mode" != "--bench-only" ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels -k mosaic_gpu
+fi
+if [[ "$mode" != "--bench" && "$mode" != "--bench-only" ]]; then
+  exit 0
+fi
+
+KDA_BENCH_HEADS="${KDA_BENCH_HEADS:-32 96}" python3 - <<'EOF'
+import os
+import statistics
+import time
+
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kda import mosaic_gpu
+
+B, T, K, V = 1, 8192, 128, 128
+
+
+def jax_ms(fn, *args, reps=10, blocks=5):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(blocks):
+    start = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / reps * 1e3)
+  return statistics.median(times)
+
+
+try:
+  import torch
+  import triton
+  from fla.ops.kda import chunk_kda as fla_chunk_kda
+except ImportError as err:
+  fla_chunk_kda = None
+  print(f"fla not importable ({err}); timing the JAX kernel only")
+
+rows = []
+for h in map(int, os.environ["KDA_BENCH_HEADS"].split()):
+  rng = np.random.default_rng(h)
+  unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
+  q = jnp.asarray(unit(rng.standard_normal((B, T, h, K), np.float32)), jnp.bfloat16)
+  k = jnp.asarray(unit(rng.standard_normal((B, T, h, K), np.float32)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((B, T, h, V), np.float32), jnp.bfloat16)
+  g = jnp.asarray(-5.0 / (1.0 + np.exp(-rng.standard_normal((B, T, h, K), np.float32))))
+  beta = jnp.asarray(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, h), np.float32))),
+                     jnp.bfloat16).astype(jnp.float32)
+  fwd = jax.jit(lambda q, k, v, g, beta: mosaic_gpu.forward(q, k, v, g, beta, None, None,
+                                                            scale=K ** -0.5))
+  prep = jax.jit(lambda q, k, v, g, beta: mosaic_gpu.prepare(q, k, v, g, beta, None, None))
+  total = jax_ms(fwd, q, k, v, g, beta)
+  xla_prep = jax_ms(prep, q, k, v, g, beta)
+  o_jax = np.asarray(fwd(q, k, v, g, beta)[0], np.float32)
+  flops = B * h * (6 * T * K * V + 3 * T * 64 * K + T * 64 * 64)
+  row = dict(H=h, jax_ms=total, jax_prep_ms=xla_prep, tflops=flops / total / 1e9)
+  if fla_chunk_kda is not None:
+    tt = lambda a, dt=None: torch.from_numpy(np.asarray(a, np.float32)).cuda().to(dt or torch.bfloat16)
+    args = dict(q=tt(q), k=tt(k), v=tt(v), g=tt(g, torch.float32), beta=tt(beta))
+    variants = {"fla": {}, "fla_safe_gate": dict(safe_gate=True, lower_bound=-5.0),
+                "fla_l2norm": dict(use_qk_l2norm_in_kernel=True)}
+    with torch.no_grad():
+      for name, kw in variants.items():
+        try:
+          run = lambda: fla_chunk_kda(**args, scale=K ** -0.5, **kw)
+          row[name + "_ms"] = triton.testing.do_bench(run, warmup=25, rep=100,
+                                                       return_mode="median")
+          if name == "fla":
+            o_fla = run()[0].float().cpu().numpy()
+            row["rel_diff_vs_fla"] = float(np.linalg.norm(o_jax - o_fla) / np.linalg.norm(o_fla))
+        except Exception as err:  # a variant fla-core 0.6.0 rejects is reported, not fatal
+          row[name + "_ms"] = f"error: {type(err).__name__}: {str(err)[:80]}"
+  rows.append(row)
+  print(row, flush=True)
+
+print("\nB=1 T=8192 K=V=128 bf16, forward (ms)")
+for row in rows:
+  print("  ".join(f"{key}={val:.3f}" if isinstance(val, float) else f"{key}={val}"
+                  for key, val in row.items()))
+EOF
