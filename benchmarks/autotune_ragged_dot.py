@@ -8,7 +8,7 @@ pallas_kernels/ragged_dot/mosaic_gpu.py.
 
   python3 -m benchmarks.autotune_ragged_dot [--quick] [--out=$OUT/autotune.json]
 
---quick: the first shape and a short list (about 20 configs, a few minutes).
+--quick: the first shape and a short list (18 configs, about a minute).
 """
 import argparse
 import dataclasses
@@ -33,17 +33,17 @@ def full_sweep(product: str) -> list:
   """Every "ws" tile/stage/order combination, plus JAX's example kernel at a few tiles."""
   if product == "d_rhs":
     ws = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
-                     grid_tile_width=t)
+                     grid_tile_width=t, cluster_n=c)
           for bm, bn in ((128, 128), (64, 128), (128, 64), (64, 64))
-          for s in (3, 4, 5, 6) for d, t in GRID_ORDERS]
+          for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
     ex = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                      kernel="jax")
           for bm, bn in ((128, 128), (64, 128)) for s in (2, 4) for t in (1, 8)]
   else:
     ws = [GmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
-                    grid_tile_width=t)
+                    grid_tile_width=t, cluster_n=c)
           for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))
-          for s in (3, 4, 5, 6) for d, t in GRID_ORDERS]
+          for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
     ex = [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                     kernel="jax")
           for bn in (128, 192) for s in (4, 5) for t in (1, 8)]
@@ -51,22 +51,14 @@ def full_sweep(product: str) -> list:
 
 
 def quick_sweep(product: str) -> list:
-  """A short list around the heuristic table's choice."""
+  """A short list around the heuristic table's choice (cluster_n 1 and 2)."""
   if product == "d_rhs":
     return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                       grid_tile_width=t) for d, t in ((1, 8), (0, 8), (1, 1))] + [
-        TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
-                   grid_tile_width=8),
-        TgmmConfig(block_m=128, block_n=64, max_concurrent_steps=4, grid_minor_dim=1,
-                   grid_tile_width=8),
-        TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax")]
+                       grid_tile_width=t, cluster_n=c)
+            for c in (2, 1) for d, t in ((1, 1), (1, 8), (0, 8))]
   return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                    grid_tile_width=t) for d, t in ((0, 8), (0, 16), (1, 4))] + [
-      GmmConfig(block_m=128, block_n=64, max_concurrent_steps=5, grid_minor_dim=0,
-                grid_tile_width=8),
-      GmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0,
-                grid_tile_width=8),
-      GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax")]
+                    grid_tile_width=t, cluster_n=c)
+          for c in (2, 1) for d, t in ((1, 4), (1, 2), (0, 8))]
 
 
 def product_fn(product: str, cfg):

@@ -9,6 +9,9 @@
 # forward only. fla-core's chunk_kda (pure Triton, FLA_DISABLE_BACKEND_DISPATCH=1) runs on the same
 # inputs when `fla` imports (carry its wheel); the table also gives the relative L2 difference of
 # the two outputs. JAX times are per call over back-to-back calls (median of 5 blocks of 10 calls).
+# KDA_BENCH_HEADS (default "32 96") and KDA_BENCH_FLA (fla variants: any of "fla fla_safe_gate
+# fla_l2norm"; default "fla"), KDA_BENCH_BV (state-kernel value blocks, default "64 32") and
+# KDA_BENCH_PARTS (1: also time preparation and each kernel alone) select what runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,6 +52,19 @@ def jax_ms(fn, *args, reps=10, blocks=5):
   return statistics.median(times)
 
 
+def where_the_time_goes(q, k, v, g, beta):
+  """XLA preparation, kernel 1 (chunk-parallel) and kernel 2 (serial), each in its own jit."""
+  cfg, _ = mosaic_gpu.config(q, None, scale=K ** -0.5)
+  prep = jax.jit(lambda q, k, v, g, beta: mosaic_gpu.prepare(q, k, v, g, beta, None, None))
+  qp, kp, gp, vp, beta_t, counts, h0 = prep(q, k, v, g, beta)
+  intra = jax.jit(lambda *a: mosaic_gpu.intra_kernel(*a, cfg, None))
+  parts = intra(qp, kp, gp, beta_t, counts)
+  state = jax.jit(lambda *a: mosaic_gpu.state_kernel(*a, cfg, None))
+  return dict(prep_ms=jax_ms(prep, q, k, v, g, beta),
+              intra_ms=jax_ms(intra, qp, kp, gp, beta_t, counts),
+              state_ms=jax_ms(state, *parts, vp, beta_t, h0))
+
+
 try:
   import torch
   import triton
@@ -67,19 +83,22 @@ for h in map(int, os.environ["KDA_BENCH_HEADS"].split()):
   g = jnp.asarray(-5.0 / (1.0 + np.exp(-rng.standard_normal((B, T, h, K), np.float32))))
   beta = jnp.asarray(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, h), np.float32))),
                      jnp.bfloat16).astype(jnp.float32)
-  fwd = jax.jit(lambda q, k, v, g, beta: mosaic_gpu.forward(q, k, v, g, beta, None, None,
-                                                            scale=K ** -0.5))
-  prep = jax.jit(lambda q, k, v, g, beta: mosaic_gpu.prepare(q, k, v, g, beta, None, None))
-  total = jax_ms(fwd, q, k, v, g, beta)
-  xla_prep = jax_ms(prep, q, k, v, g, beta)
+  row = dict(H=h)
+  for bv in map(int, os.environ.get("KDA_BENCH_BV", "64 32").split()):
+    fwd = jax.jit(lambda q, k, v, g, beta, bv=bv: mosaic_gpu.forward(
+        q, k, v, g, beta, None, None, scale=K ** -0.5, block_v=bv))
+    row[f"jax_bv{bv}_ms"] = jax_ms(fwd, q, k, v, g, beta)
   o_jax = np.asarray(fwd(q, k, v, g, beta)[0], np.float32)
   flops = B * h * (6 * T * K * V + 3 * T * 64 * K + T * 64 * 64)
-  row = dict(H=h, jax_ms=total, jax_prep_ms=xla_prep, tflops=flops / total / 1e9)
+  row["tflops"] = flops / row[f"jax_bv{bv}_ms"] / 1e9
+  if os.environ.get("KDA_BENCH_PARTS", "1") == "1":
+    row.update(where_the_time_goes(q, k, v, g, beta))
   if fla_chunk_kda is not None:
     tt = lambda a, dt=None: torch.from_numpy(np.asarray(a, np.float32)).cuda().to(dt or torch.bfloat16)
     args = dict(q=tt(q), k=tt(k), v=tt(v), g=tt(g, torch.float32), beta=tt(beta))
     variants = {"fla": {}, "fla_safe_gate": dict(safe_gate=True, lower_bound=-5.0),
                 "fla_l2norm": dict(use_qk_l2norm_in_kernel=True)}
+    variants = {n: variants[n] for n in os.environ.get("KDA_BENCH_FLA", "fla").split()}
     with torch.no_grad():
       for name, kw in variants.items():
         try:

@@ -1,7 +1,8 @@
 """MoE grouped GEMM on one GPU, same inputs, one process (issue "MoE grouped-GEMM kernels").
 
-Implementations: ours (`pallas_kernels.ragged_dot`, Mosaic GPU "ws" kernels), JAX's own
-example kernels (ragged_dot_mgpu + transposed_ragged_dot_mgpu, through our wrapper),
+Implementations: ours (`pallas_kernels.ragged_dot`, Mosaic GPU "ws" kernels with the tile
+table's configs; "_cluster1": the same without the 2-CTA clusters), JAX's own example kernels
+(ragged_dot_mgpu + transposed_ragged_dot_mgpu, through our wrapper),
 `jax.lax.ragged_dot` (XLA) and torch `_grouped_mm` (CUTLASS), forward and forward+backward
 (d_lhs and d_rhs), at the K3 expert shapes; bf16 operands, fp32 accumulation, rows sorted
 by group with Dirichlet(1) group sizes. Also: our backward products alone, a dense XLA matmul
@@ -18,6 +19,7 @@ op, implementation, pass, shape, dtype and device; other records are kept. A fai
 implementation is printed and recorded with "error"; the others still run.
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -97,21 +99,43 @@ def _vjp_fn(fn):
   return jax.jit(fwd_bwd)
 
 
-def _jax_example_fwd_bwd(x, w, d_out, gs):
-  out = mosaic_gpu.gmm(x, w, gs, config=JAX_EXAMPLE_GMM)
-  d_x = mosaic_gpu.gmm(d_out, w, gs, transpose_rhs=True, config=JAX_EXAMPLE_GMM)
-  d_w = mosaic_gpu.tgmm(x, d_out, gs, config=JAX_EXAMPLE_TGMM)
-  return out, d_x, d_w
+def _explicit(gmm_config, tgmm_config):
+  """(fwd, fwd_bwd) running the three products with the given config functions."""
+  def fwd(x, w, gs):
+    return mosaic_gpu.gmm(x, w, gs, config=gmm_config(x.shape[0], x.shape[1], w.shape[2]))
+
+  def fwd_bwd(x, w, d_out, gs):
+    m, k, n = x.shape[0], x.shape[1], w.shape[2]
+    out = mosaic_gpu.gmm(x, w, gs, config=gmm_config(m, k, n))
+    d_x = mosaic_gpu.gmm(d_out, w, gs, transpose_rhs=True, config=gmm_config(m, n, k))
+    d_w = mosaic_gpu.tgmm(x, d_out, gs, config=tgmm_config(m, k, n))
+    return out, d_x, d_w
+  return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def _table(fn, **changes):
+  """The heuristic config of our table with `changes` applied."""
+  bf16 = jnp.bfloat16
+  return lambda m, k, n: dataclasses.replace(fn(m, k, n, bf16, bf16), **changes)
 
 
 JAX_IMPLS = {
     "k3jax_mosaic_gpu": (jax.jit(lambda x, w, gs: ragged_dot(x, w, gs, impl="mosaic_gpu")),
                          _vjp_fn(lambda a, b, gs: ragged_dot(a, b, gs, impl="mosaic_gpu"))),
-    "jax_example_mgpu": (jax.jit(lambda x, w, gs: mosaic_gpu.gmm(x, w, gs,
-                                                                 config=JAX_EXAMPLE_GMM)),
-                         jax.jit(_jax_example_fwd_bwd)),
+    "k3jax_mosaic_gpu_cluster1": _explicit(_table(mosaic_gpu.gmm_config, cluster_n=1),
+                                           _table(mosaic_gpu.tgmm_config, cluster_n=1)),
+    "jax_example_mgpu": _explicit(lambda m, k, n: JAX_EXAMPLE_GMM,
+                                  lambda m, k, n: JAX_EXAMPLE_TGMM),
     "xla_ragged_dot": (jax.jit(jax.lax.ragged_dot), _vjp_fn(jax.lax.ragged_dot)),
 }
+
+
+def table_configs(m: int, k: int, n: int) -> dict:
+  """Our heuristic configs for the three products (recorded with our measurements)."""
+  bf16 = jnp.bfloat16
+  return dict(fwd=str(mosaic_gpu.gmm_config(m, k, n, bf16, bf16)),
+              d_lhs=str(mosaic_gpu.gmm_config(m, n, k, bf16, bf16)),
+              d_rhs=str(mosaic_gpu.tgmm_config(m, k, n, bf16, bf16)))
 
 
 # ------------------------------------------------------------------------------------------
@@ -268,18 +292,22 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
     print(f"\n== G{g} M{m} K{k} N{n}: sizes min {sizes.min()} max {sizes.max()}; "
           f"plan {plan(x, w, gs)}")
 
+    configs = table_configs(m, k, n)
     for name, (fwd, fwd_bwd) in JAX_IMPLS.items():
+      cfg = {}
+      if name.startswith("k3jax"):
+        cfg = dict(configs=configs if name == "k3jax_mosaic_gpu" else "cluster_n=1")
       rec.measure("moe_gmm", name, "fwd", shape, flops, lambda: time_jax(fwd, x, w, gs),
-                  **extra)
+                  **extra, **cfg)
       rec.measure("moe_gmm", name, "fwd+bwd", shape, 3 * flops,
-                  lambda: time_jax(fwd_bwd, x, w, d_out, gs), **extra)
+                  lambda: time_jax(fwd_bwd, x, w, d_out, gs), **extra, **cfg)
 
     d_lhs = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True))
     d_rhs = jax.jit(mosaic_gpu.tgmm)
     rec.measure("moe_gmm_d_lhs", "k3jax_mosaic_gpu", "fwd", shape, flops,
-                lambda: time_jax(d_lhs, d_out, w, gs), **extra)
+                lambda: time_jax(d_lhs, d_out, w, gs), config=configs["d_lhs"], **extra)
     rec.measure("moe_gmm_d_rhs", "k3jax_mosaic_gpu", "fwd", shape, flops,
-                lambda: time_jax(d_rhs, x, d_out, gs), **extra)
+                lambda: time_jax(d_rhs, x, d_out, gs), config=configs["d_rhs"], **extra)
     dense = jax.jit(lambda a, b: jnp.dot(a, b[0]))
     rec.measure("dense_matmul_same_flops", "xla", "fwd", shape, flops,
                 lambda: time_jax(dense, x, w), **extra)

@@ -119,7 +119,7 @@ def test_loss_matches_direct_computation(setup, outputs):
   x = np.concatenate([_rms(emb, f64(layer.enorm.scale[...]), eps),
                       _rms(f64(h), f64(layer.hnorm.scale[...]), eps)], axis=-1)
   x = x @ f64(layer.eh_proj["kernel"][...])
-  o, _, _ = model_lib._layer_residual(layer.layer, jnp.asarray(x, jnp.float32),
+  o, _, _ = model_lib.residual_layer(layer.layer, jnp.asarray(x, jnp.float32),
                                    batch["segment_ids"], batch["positions"])
   logits = _rms(f64(o), f64(layer.norm.scale[...]), eps) @ f64(model.lm_head["kernel"][...])
   lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)

@@ -37,7 +37,8 @@ def _mtp_params(m) -> int:
 
 @pytest.fixture(scope="module")
 def k3_full():
-  cfg = _load("k3_full", mesh__data=8, mesh__expert=64, mesh__pipeline=16, mesh__context=1)
+  cfg = _load("k3_full", mesh__data=8, mesh__expert=64, mesh__pipeline=16, mesh__context=1,
+              train__optimizer="adamw")
   plan = plan_lib.make_plan(cfg)
   return cfg, plan, plan_lib.format_plan(plan)
 

@@ -1,31 +1,36 @@
-"""Chunkwise KDA forward as one fused Pallas Mosaic GPU kernel for Hopper (report Eqs. 2-9).
+"""Chunkwise KDA forward as Pallas Mosaic GPU kernels for Hopper (report Eqs. 2-9).
 
 Same contract as `api.chunk_kda` (fla layouts, see api.py) for the bounded
 gate g >= -5 (K3's `gate_lower_bound`, kda.md §2.2); `supports` says when.
 
-One CTA (one warpgroup) per (value block of 64 columns, head, batch) walks the
-chunks of C = 64 tokens in order and carries the state S [K, 64] in fp32
-registers (a bf16 copy in SMEM is the tensor-core operand). Per chunk:
-  * TMA loads q, k [C, K] and v [C, 64] (bf16), G [C, K] (fp32 chunk-local
-    cumsum of g, from XLA), its rows 15, 31, 47, 63, beta and the segment
-    counts; the next chunk's loads are issued once this chunk's are read, so
-    they overlap the solve and the state update.
-  * Intra-chunk products on the tensor cores (bf16 operands, fp32 accumulation),
-    with decays factorised inside 32-token halves through their middle token m
-    (15 or 47): x_r e^{G_r - G_m} . k_c e^{G_m - G_c}; with g >= -5 every
-    exponent is within [-80, 80], inside the fp32/bf16 range. The lower-left
-    32 x 32 block goes through token 31: x_r e^{G_r - G_31} . k_c e^{G_31 - G_c},
-    both exponents <= 0 (an underflow there is a true underflow). This gives
-    A_qk (causal) and L = StrictTril(diag(beta) K_d K_i^T) (Eq. 6 inputs).
-  * UT transform M = (I + L)^{-1}: the four 16 x 16 diagonal blocks inverted
-    exactly in fp32 by forward substitution (Dinv), then with N = Dinv L_off
-    (nilpotent, N^4 = 0), M = (I - N + N^2 - N^3) Dinv by four bf16 tensor-core
-    products (fp32 accumulation).
-  * V_new = M (diag(beta) V - K_d S), O = Q_d S + A_qk V_new,
-    S' = Diag(e^{G_C}) S + K_g^T V_new (Eqs. 8-9, the WY products folded into
-    the solve, as FlashKDA).
+Two kernels, one warpgroup per CTA, bf16 tensor-core operands with fp32
+accumulation:
+  1. `intra`, one CTA per (chunk of C = 64 tokens, head, batch), all chunks in
+     parallel. TMA loads q, k, g (and beta, segment counts); G = chunk-local
+     cumsum of g in fp32 (a per-channel scan in SMEM for K = 128; XLA's cumsum
+     for K = 64). Decays are factorised inside 32-token halves through their
+     middle token m (15 or 47): x_r e^{G_r - G_m} . k_c e^{G_m - G_c}, every
+     exponent in [-80, 80] for g >= -5 (inside the fp32/bf16 range); the
+     lower-left 32 x 32 block goes through token 31, x_r e^{G_r - G_31} .
+     k_c e^{G_31 - G_c}, both exponents <= 0 (an underflow there is a true
+     underflow). This gives A_qk (causal) and L = StrictTril(diag(beta) K_d
+     K_i^T) (Eq. 6). The UT transform M = (I + L)^{-1}: the four 16 x 16
+     diagonal blocks inverted exactly in fp32 by forward substitution (Dinv),
+     then with N = Dinv L_off (N^4 = 0), M = (I - N + N^2 - N^3) Dinv by four
+     tensor-core products. Writes (bf16, [B, H, T, .]) Q_d = scale q e^G,
+     -K_d = -beta k e^G, K_g = k e^{G_C - G}, A_qk, M, and the chunk decay
+     e^{G_C} (fp32).
+  2. `state`, one CTA per (value block of 64 columns, head, batch), walking the
+     chunks in order with the state S [K, 64] in fp32 registers (bf16 copy in
+     SMEM as the tensor-core operand); the next chunk's tiles are loaded by TMA
+     (double-buffered) while this one computes
+       V_new = M (diag(beta) V - K_d S),  O = Q_d S + A_qk V_new,
+       S' = Diag(e^{G_C}) S + K_g^T V_new      (Eqs. 8-9, WY folded into M).
+A single fused kernel per (value block, head, batch) doing both (the first
+version) ran at 2.2 ms for B=1, T=8192, H=32 on an H200, against fla's 1.0 ms:
+its 64 CTAs of one warpgroup each left the chunk-parallel work latency-bound.
 Segments (segment_ids) mask A_qk and L to one segment, Q_d and K_d to the
-chunk's first segment, K_g to its last, and drop the carried state when a
+chunk's first segment, K_g to its last, and zero the carried state when a
 segment starts inside the chunk (as chunked.py).
 
 Backward: NOT a kernel. `chunk_kda_mosaic_gpu` is a `jax.custom_vjp` whose
@@ -54,9 +59,11 @@ GATE_BOUND = -5.0
 CHUNK = 64
 HALF = 32                  # factorisation block; also the K-slab width of the passes
 TILE = 16                  # diagonal blocks inverted exactly
-BLOCK_V = 64               # value columns per CTA
+BLOCK_V = 64               # default value columns per CTA of the state kernel
 HEAD_DIMS = (64, 128)
-MARKS = (15, 31, 47, 63)   # rows of G each chunk needs as per-channel vectors
+SCAN_DIM = 128             # K for which the intra kernel scans g itself (one thread per channel)
+MAX_GRID = 65535           # CUDA's limit on the grid's y and z extents
+MID, SPLIT, LAST = 15, 31, 63   # rows of G used as per-channel anchors
 
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)       # one value per row of a WGMMA-layout array
@@ -67,7 +74,7 @@ _BF16 = jnp.bfloat16
 
 def supports(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
              segment_ids=None, gate_bound=None) -> str | None:
-  """None if the kernel handles the call, else why not (the dispatcher falls through)."""
+  """None if the kernels handle the call, else why not (the dispatcher falls through)."""
   del scale, initial_state, output_final_state, segment_ids, k, g, beta
   if gate_bound is None or gate_bound < GATE_BOUND:
     return f"needs gate_bound >= {GATE_BOUND} (bounded gate), got {gate_bound}"
@@ -75,8 +82,9 @@ def supports(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
     return f"needs K, V in {HEAD_DIMS}, got K={q.shape[-1]}, V={v.shape[-1]}"
   if jnp.dtype(q.dtype) not in (jnp.dtype(_BF16), jnp.dtype(_F32)):
     return f"needs bfloat16 or float32 inputs, got {q.dtype}"
-  if q.shape[0] * q.shape[2] > 65535:
-    return f"needs B * H <= 65535 (CUDA grid), got {q.shape[0] * q.shape[2]}"
+  b, t, h = q.shape[:3]
+  if max(h, b, -(-t // CHUNK)) > MAX_GRID:
+    return f"needs B, H and T / {CHUNK} <= {MAX_GRID} (CUDA grid), got {(b, h, t)}"
   return None
 
 
@@ -88,6 +96,11 @@ class _Config:
   scale: float
   has_segments: bool
   interpret: bool
+  block_v: int = 64
+
+  @property
+  def scan(self) -> bool:
+    return self.key_dim == SCAN_DIM
 
 
 class _Regs(NamedTuple):
@@ -119,20 +132,18 @@ def _cols(x, shape) -> jax.Array:
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, g_ref, marks_ref, beta_ref, cnt_ref, h0_ref,
-                 o_ref, final_ref, q_s, k_s, v_s, g_s, marks_s, beta_s, cnt_s, kmid_s, k31_s,
-                 kg_s, aqk_s, m_s, s_s, x_s, o_s, tri_s, asm_s, nb_s, db_s, bar_in, *stage):
-  c, kd, bv = CHUNK, cfg.key_dim, BLOCK_V
-  slabs = kd // HALF
-  vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-  vcols = pl.ds(vt * bv, bv)
-  half = (c, HALF)
+class _Mma:
+  """Tensor-core products of one warpgroup; `stage` holds SMEM copies of register
+  operands when interpreting ([C, 32] and [C, 64] bf16 buffers)."""
 
-  def wgmma(acc, a, b_ref):
-    """acc += a @ b_ref; a is an SMEM ref or `_Regs` (staged through SMEM when interpreting)."""
+  def __init__(self, cfg: _Config, stage):
+    self.cfg, self.stage = cfg, stage
+
+  def wgmma(self, acc, a, b_ref) -> None:
+    """acc += a @ b_ref; a is an SMEM ref or `_Regs`."""
     if isinstance(a, _Regs):
-      if cfg.interpret:
-        buf = stage[0] if a.value.shape[1] == HALF else stage[1]
+      if self.cfg.interpret:
+        buf = self.stage[0] if a.value.shape[1] == HALF else self.stage[1]
         buf[...] = a.value
         plgpu.commit_smem()
         a = buf
@@ -140,208 +151,233 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, g_ref, marks_ref, beta_ref, 
         a = a.value
     plgpu.wgmma(acc, a, b_ref)
 
-  def product(shape, pairs, init=None) -> jax.Array:
-    """init + sum(a @ b for a, b in pairs), fp32."""
-    if init is None or cfg.interpret:
-      def scoped(acc):
-        for a, b_ref in pairs:
-          wgmma(acc, a, b_ref)
-        return acc[...]
-      out = pl.run_scoped(scoped, plgpu.ACC(shape, _F32))
-      out = out if init is None else out + init
+  def products(self, *specs) -> list[jax.Array]:
+    """For each (shape, pairs, init): init + sum(a @ b for a, b in pairs), fp32, issued together."""
+    if self.cfg.interpret or all(init is None for _, _, init in specs):
+      def scoped(*accs):
+        for acc, (_, pairs, _) in zip(accs, specs):
+          for a, b_ref in pairs:
+            self.wgmma(acc, a, b_ref)
+        return [acc[...] for acc in accs]
+      outs = pl.run_scoped(scoped, *[plgpu.ACC(shape, _F32) for shape, _, _ in specs])
+      outs = [o if init is None else o + init for o, (_, _, init) in zip(outs, specs)]
     else:
-      def body(acc):
-        for a, b_ref in pairs:
-          wgmma(acc, a, b_ref)
-      out = pl.run_state(body)(plgpu.ACC.init(init))
+      def body(accs):
+        for acc, (_, pairs, _) in zip(accs, specs):
+          for a, b_ref in pairs:
+            self.wgmma(acc, a, b_ref)
+      inits = tuple(plgpu.ACC.init(plgpu.layout_cast(jnp.zeros(shape, _F32), _WG)
+                                   if init is None else init) for shape, _, init in specs)
+      outs = list(pl.run_state(body)(inits))
     # Reading an accumulator waits for the wgmma without a data dependency;
-    # the barrier keeps arithmetic on the result after that wait.
-    return lax.optimization_barrier(out)
+    # the barrier keeps arithmetic on the results after that wait.
+    return list(lax.optimization_barrier(outs))
 
-  def fetch(n):
-    tok = pl.ds(n * c, c)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, tok, h], q_s, bar_in)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, tok, h], k_s, bar_in)
-    plgpu.copy_gmem_to_smem(v_ref.at[b, tok, h, vcols], v_s, bar_in)
-    plgpu.copy_gmem_to_smem(g_ref.at[b, tok, h], g_s, bar_in)
-    plgpu.copy_gmem_to_smem(marks_ref.at[b, pl.ds(n * len(MARKS), len(MARKS)), h], marks_s,
-                            bar_in)
-    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tok], beta_s, bar_in)
-    if cfg.has_segments:
-      plgpu.copy_gmem_to_smem(cnt_ref.at[b, tok], cnt_s, bar_in)
+  def product(self, shape, pairs, init=None) -> jax.Array:
+    return self.products((shape, pairs, init))[0]
 
-  row = _iota(half, 0)
-  col = _iota(half, 1)
-  second = row >= HALF                     # rows of the chunk's second half
-  row_tile = row // TILE
 
-  def intra_pass(beta, first, last):
-    """Pass 1 over 32-channel slabs: the decayed products of the chunk (fp32 [C, 32] each).
+def _intra_body(cfg: _Config, q_ref, k_ref, g_ref, beta_ref, cnt_ref,
+                qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref,
+                q_s, k_s, g_union, k_union, k31_s, a_s, beta_s, cnt_s, bar, *stage):
+  """One chunk: Q_d, -K_d, K_g, A_qk, M and e^{G_C} (see the module doc)."""
+  c, kd = CHUNK, cfg.key_dim
+  g_s, (asm_s, tri_s) = g_union       # G; later the solve's fp32 scratch
+  kmid_s, (nb_s, db_s) = k_union      # keys decayed to the anchors; later the solve's operands
+  n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
+  tok = pl.ds(n * c, c)
+  mma = _Mma(cfg, stage)
+  half = (c, HALF)
+  row, col = _iota(half, 0), _iota(half, 1)
+  second = row >= HALF                # rows of the chunk's second half
 
-    Returns (A_qk, L) as left/right column halves, masked; writes the B
-    operands kmid_s, k31_s and K_g (kg_s).
-    """
-    def scoped(*accs):
-      for slab in range(slabs):
-        cols = pl.ds(slab * HALF, HALF)
-        m15, m31, m47, m63 = (_cols(_load(marks_s.at[i, cols], _COL), half) for i in range(4))
-        g = _load(g_s.at[:, cols])
-        d = g - jnp.where(second, m47, m15)
-        k = _load(k_s.at[:, cols]).astype(_F32)
-        q = _load(q_s.at[:, cols]).astype(_F32) * cfg.scale
-        kmid_s.at[:, cols][...] = (k * jnp.exp(-d)).astype(_BF16)
-        t31 = jnp.exp(jnp.where(second, g - m31, m31 - g))
-        k31_s.at[:, cols][...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
-        kg = k * jnp.exp(m63 - g)
-        kg_s.at[:, cols][...] = (kg if last is None else kg * last).astype(_BF16)
-        e_mid = jnp.exp(d)
-        kb = k * beta
-        ops = (_Regs((q * e_mid).astype(_BF16)), _Regs((kb * e_mid).astype(_BF16)),
-               _Regs(jnp.where(second, q * t31, 0.0).astype(_BF16)),
-               _Regs(jnp.where(second, kb * t31, 0.0).astype(_BF16)))
-        plgpu.commit_smem()
-        left = kmid_s.at[pl.ds(0, HALF), cols].T
-        right = kmid_s.at[pl.ds(HALF, HALF), cols].T
-        low = k31_s.at[pl.ds(0, HALF), cols].T
-        for fam in range(2):
-          wgmma(accs[3 * fam], ops[fam], left)
-          wgmma(accs[3 * fam + 1], ops[fam], right)
-          wgmma(accs[3 * fam + 2], ops[2 + fam], low)
-        plgpu.wgmma_wait(0)
-      return [acc[...] for acc in accs]
+  plgpu.copy_gmem_to_smem(q_ref.at[b, tok, h], q_s, bar)
+  plgpu.copy_gmem_to_smem(k_ref.at[b, tok, h], k_s, bar)
+  plgpu.copy_gmem_to_smem(g_ref.at[b, tok, h], g_s, bar)
+  plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tok], beta_s, bar)
+  if cfg.has_segments:
+    plgpu.copy_gmem_to_smem(cnt_ref.at[b, tok], cnt_s, bar)
+  plgpu.barrier_wait(bar)
+  if cfg.scan:                        # G = cumsum(g), one thread per key channel
+    line = plgpu.Layout.WG_STRIDED((kd,), vec_size=1)
 
-    parts = pl.run_scoped(scoped, *[plgpu.ACC(half, _F32) for _ in range(6)])
-    parts = lax.optimization_barrier(parts)
-    col_r = col + HALF
-    same_l = same_r = None
-    if cfg.has_segments:
-      cnt_row = _rows(_load(cnt_s, _ROW), half)
-      same_l = cnt_row == _cols(_load(cnt_s.at[pl.ds(0, HALF)], _COL), half)
-      same_r = cnt_row == _cols(_load(cnt_s.at[pl.ds(HALF, HALF)], _COL), half)
-    out = []
-    for fam in range(2):
-      p_left, p_right, p_low = parts[3 * fam:3 * fam + 3]
-      keep_l = second | ((row >= col) if fam == 0 else (row > col))
-      keep_r = second & ((row >= col_r) if fam == 0 else (row > col_r))
-      if cfg.has_segments:
-        keep_l &= same_l
-        keep_r &= same_r
-      left = jnp.where(keep_l, jnp.where(second, p_low, p_left), 0.0)
-      right = jnp.where(keep_r, p_right, 0.0)
-      out.append((left, right))
-    return out
+    def scan_step(r, acc):
+      acc = acc + _load(g_s.at[r], line)
+      g_s.at[r][...] = acc
+      return acc
 
-  def state_pass(beta, first, bv_init):
-    """Pass 2 over slabs: (Q_d S, diag(beta) V - K_d S) with the entering state in s_s."""
-    def scoped(acc_o, acc_x):
-      for slab in range(slabs):
-        cols = pl.ds(slab * HALF, HALF)
-        eg = jnp.exp(_load(g_s.at[:, cols]))
-        if first is not None:
-          eg = eg * first
-        q = _load(q_s.at[:, cols]).astype(_F32) * cfg.scale
-        k = _load(k_s.at[:, cols]).astype(_F32)
-        s_rows = s_s.at[cols]
-        wgmma(acc_o, _Regs((q * eg).astype(_BF16)), s_rows)
-        wgmma(acc_x, _Regs((-(k * beta) * eg).astype(_BF16)), s_rows)
-        plgpu.wgmma_wait(0)
-      return acc_o[...], acc_x[...]
-
-    o_part, x = pl.run_scoped(scoped, plgpu.ACC((c, bv), _F32), plgpu.ACC((c, bv), _F32))
-    o_part, x = lax.optimization_barrier((o_part, x))
-    return o_part, x + bv_init
-
-  def solve(lower):
-    """M = (I + L)^{-1} (Eq. 6) into m_s, from L as fp32 [C, 32] column halves."""
-    l_left, l_right = lower
-    tcol = _iota((c, TILE), 1)
-    trow = _iota((c, TILE), 0)
-    tblock = trow // TILE
-    offset = trow % TILE
-    asm_s.at[:, pl.ds(0, HALF)][...] = l_left
-    asm_s.at[:, pl.ds(HALF, HALF)][...] = l_right
-    # N's right operand: L with its diagonal 16 x 16 blocks removed (bf16).
-    nb_s.at[:, pl.ds(0, HALF)][...] = jnp.where(row_tile == col // TILE, 0.0, l_left).astype(_BF16)
-    nb_s.at[:, pl.ds(HALF, HALF)][...] = jnp.where(row_tile == col // TILE + 2, 0.0,
-                                                   l_right).astype(_BF16)
+    lax.fori_loop(0, c, scan_step, plgpu.layout_cast(jnp.zeros((kd,), _F32), line))
     plgpu.commit_smem()
-    # Diagonal blocks stacked [C, 16]: a[r, j] = L[r, 16 * block(r) + j].
-    a_diag = None
+
+  beta = _rows(_load(beta_s, _ROW), half)
+  first = last = None
+  carry = 1.0
+  if cfg.has_segments:
+    cnt_vec = _load(cnt_s, _ROW)
+    cnt_last = cnt_s[c - 1]
+    first = _rows(jnp.where(cnt_vec == 0.0, 1.0, 0.0), half)
+    last = _rows(jnp.where(cnt_vec == cnt_last, 1.0, 0.0), half)
+    carry = jnp.where(cnt_last == 0.0, 1.0, 0.0)
+  dec_ref.at[b, h, n][...] = jnp.exp(_load(g_s.at[LAST], _COL)) * carry
+
+  def slab_pass(*accs):
+    for slab in range(kd // HALF):
+      cols = pl.ds(slab * HALF, HALF)
+      m15, m31, m47, m63 = (_cols(_load(g_s.at[r, cols], _COL), half)
+                            for r in (MID, SPLIT, MID + HALF, LAST))
+      g = _load(g_s.at[:, cols])
+      d = g - jnp.where(second, m47, m15)
+      k = _load(k_s.at[:, cols]).astype(_F32)
+      q = _load(q_s.at[:, cols]).astype(_F32) * cfg.scale
+      kmid_s.at[:, cols][...] = (k * jnp.exp(-d)).astype(_BF16)
+      t31 = jnp.exp(jnp.where(second, g - m31, m31 - g))
+      k31_s.at[:, cols][...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
+      e_mid = jnp.exp(d)
+      kb = k * beta
+      ops = (_Regs((q * e_mid).astype(_BF16)), _Regs((kb * e_mid).astype(_BF16)),
+             _Regs(jnp.where(second, q * t31, 0.0).astype(_BF16)),
+             _Regs(jnp.where(second, kb * t31, 0.0).astype(_BF16)))
+      plgpu.commit_smem()
+      left = kmid_s.at[pl.ds(0, HALF), cols].T
+      right = kmid_s.at[pl.ds(HALF, HALF), cols].T
+      low = k31_s.at[pl.ds(0, HALF), cols].T
+      for fam in range(2):
+        mma.wgmma(accs[3 * fam], ops[fam], left)
+        mma.wgmma(accs[3 * fam + 1], ops[fam], right)
+        mma.wgmma(accs[3 * fam + 2], ops[2 + fam], low)
+      eg = jnp.exp(g)
+      kg = k * jnp.exp(m63 - g)
+      if first is not None:
+        eg, kg = eg * first, kg * last
+      q_s.at[:, cols][...] = (q * eg).astype(_BF16)           # Q_d
+      k_s.at[:, cols][...] = (-(kb * eg)).astype(_BF16)       # -K_d
+      plgpu.wgmma_wait(0)                                     # k31's slab is read
+      k31_s.at[:, cols][...] = kg.astype(_BF16)               # K_g
+    return [acc[...] for acc in accs]
+
+  parts = pl.run_scoped(slab_pass, *[plgpu.ACC(half, _F32) for _ in range(6)])
+  parts = lax.optimization_barrier(parts)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_s, qd_ref.at[b, h, tok])
+  plgpu.copy_smem_to_gmem(k_s, kd_ref.at[b, h, tok])
+  plgpu.copy_smem_to_gmem(k31_s, kg_ref.at[b, h, tok])
+
+  col_r = col + HALF
+  masked = []
+  for fam in range(2):                # (A_qk, L) as [C, 32] column halves
+    p_left, p_right, p_low = parts[3 * fam:3 * fam + 3]
+    keep_l = second | ((row >= col) if fam == 0 else (row > col))
+    keep_r = second & ((row >= col_r) if fam == 0 else (row > col_r))
+    if cfg.has_segments:
+      cnt_row = _rows(cnt_vec, half)
+      keep_l &= cnt_row == _cols(_load(cnt_s.at[pl.ds(0, HALF)], _COL), half)
+      keep_r &= cnt_row == _cols(_load(cnt_s.at[pl.ds(HALF, HALF)], _COL), half)
+    masked.append((jnp.where(keep_l, jnp.where(second, p_low, p_left), 0.0),
+                   jnp.where(keep_r, p_right, 0.0)))
+  a_s.at[:, pl.ds(0, HALF)][...] = masked[0][0].astype(_BF16)
+  a_s.at[:, pl.ds(HALF, HALF)][...] = masked[0][1].astype(_BF16)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(a_s, aqk_ref.at[b, h, tok])
+
+  # UT transform M = (I + L)^{-1} (Eq. 6).
+  l_left, l_right = masked[1]
+  row_tile = row // TILE
+  tcol, trow = _iota((c, TILE), 1), _iota((c, TILE), 0)
+  tblock, offset = trow // TILE, trow % TILE
+  asm_s.at[:, pl.ds(0, HALF)][...] = l_left
+  asm_s.at[:, pl.ds(HALF, HALF)][...] = l_right
+  nb_s.at[:, pl.ds(0, HALF)][...] = jnp.where(row_tile == col // TILE, 0.0, l_left).astype(_BF16)
+  nb_s.at[:, pl.ds(HALF, HALF)][...] = jnp.where(row_tile == col // TILE + 2, 0.0,
+                                                 l_right).astype(_BF16)
+  plgpu.commit_smem()
+  a_diag = None                       # diagonal blocks stacked [C, 16]
+  for blk in range(c // TILE):
+    part = _load(asm_s.at[:, pl.ds(TILE * blk, TILE)])
+    a_diag = part if a_diag is None else jnp.where(tblock == blk, part, a_diag)
+  inv = jnp.where(tcol == offset, 1.0, 0.0)
+  tri_s[...] = inv
+  plgpu.commit_smem()
+  for j in range(TILE - 1):           # after step j, row j + 1 of every block is final
+    pivot = None
     for blk in range(c // TILE):
-      part = _load(asm_s.at[:, pl.ds(TILE * blk, TILE)])
-      a_diag = part if a_diag is None else jnp.where(tblock == blk, part, a_diag)
-    # Forward substitution: after step j, row j of every block's inverse is final.
-    inv = jnp.where(tcol == offset, 1.0, 0.0)
+      part = _cols(_load(tri_s.at[TILE * blk + j], _COL), (c, TILE))
+      pivot = part if pivot is None else jnp.where(tblock == blk, part, pivot)
+    coef = _rows(jnp.sum(jnp.where(tcol == j, a_diag, 0.0), axis=1), (c, TILE))
+    inv = jnp.where(offset > j, inv - coef * pivot, inv)
     tri_s[...] = inv
     plgpu.commit_smem()
-    for j in range(TILE - 1):
-      pivot = None
-      for blk in range(c // TILE):
-        part = _cols(_load(tri_s.at[TILE * blk + j], _COL), (c, TILE))
-        pivot = part if pivot is None else jnp.where(tblock == blk, part, pivot)
-      coef = _rows(jnp.sum(jnp.where(tcol == j, a_diag, 0.0), axis=1), (c, TILE))
-      inv = jnp.where(offset > j, inv - coef * pivot, inv)
-      tri_s[...] = inv
-      plgpu.commit_smem()
-    # Block-diagonal Dinv [C, C]: fp32 assembly, then bf16 operands.
-    for blk in range(c // TILE):
-      asm_s.at[:, pl.ds(TILE * blk, TILE)][...] = jnp.where(tblock == blk, inv, 0.0)
-    plgpu.commit_smem()
-    d_inv = _load(asm_s).astype(_BF16)
-    db_s[...] = d_inv
-    plgpu.commit_smem()
-    full = (c, c)
-    nil = product(full, [(_Regs(d_inv), nb_s)])                  # N = Dinv L_off
-    nil_b = nil.astype(_BF16)
-    nb_s[...] = nil_b
-    plgpu.commit_smem()
-    nil2 = product(full, [(_Regs(nil_b), nb_s)])                 # N^2
-    nb_s[...] = nil2.astype(_BF16)
-    plgpu.commit_smem()
-    nil3 = product(full, [(_Regs(nil_b), nb_s)])                 # N^3
-    eye = jnp.where(_iota(full, 0) == _iota(full, 1), 1.0, 0.0)
-    poly = (eye - nil + nil2 - nil3).astype(_BF16)
-    m_s[...] = product(full, [(_Regs(poly), db_s)]).astype(_BF16)
+  for blk in range(c // TILE):        # block-diagonal Dinv [C, C]
+    asm_s.at[:, pl.ds(TILE * blk, TILE)][...] = jnp.where(tblock == blk, inv, 0.0)
+  plgpu.commit_smem()
+  d_inv = _load(asm_s).astype(_BF16)
+  db_s[...] = d_inv
+  plgpu.commit_smem()
+  full = (c, c)
+  nil = mma.product(full, [(_Regs(d_inv), nb_s)])            # N = Dinv L_off
+  nil_b = nil.astype(_BF16)
+  nb_s[...] = nil_b
+  plgpu.commit_smem()
+  nil2 = mma.product(full, [(_Regs(nil_b), nb_s)])           # N^2
+  nb_s[...] = nil2.astype(_BF16)
+  plgpu.commit_smem()
+  nil3 = mma.product(full, [(_Regs(nil_b), nb_s)])           # N^3
+  eye = jnp.where(_iota(full, 0) == _iota(full, 1), 1.0, 0.0)
+  poly = (eye - nil + nil2 - nil3).astype(_BF16)
+  m_val = mma.product(full, [(_Regs(poly), db_s)])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)           # A_qk has left a_s
+  a_s[...] = m_val.astype(_BF16)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(a_s, m_ref.at[b, h, tok])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v_ref, beta_ref,
+                h0_ref, o_ref, final_ref,
+                qd_s, kd_s, kg_s, aqk_s, m_s, v_s, dec_s, beta_s, s_s, x_s, o_s, bars, *stage):
+  """The serial pass over chunks for one (value block, head, batch) (Eqs. 8-9)."""
+  c, kd, bv = CHUNK, cfg.key_dim, cfg.block_v
+  vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+  vcols = pl.ds(vt * bv, bv)
+  mma = _Mma(cfg, stage)
+
+  def fetch(n, slot):
+    tok = pl.ds(n * c, c)
+    bar = bars.at[slot]
+    plgpu.copy_gmem_to_smem(qd_ref.at[b, h, tok], qd_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kd_ref.at[b, h, tok], kd_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kg_ref.at[b, h, tok], kg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(aqk_ref.at[b, h, tok], aqk_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(m_ref.at[b, h, tok], m_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[b, tok, h, vcols], v_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dec_ref.at[b, h, n], dec_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tok], beta_s.at[slot], bar)
 
   s0 = _load(h0_ref.at[b, h, :, vcols])
   s_s[...] = s0.astype(_BF16)
-  fetch(0)
+  fetch(0, 0)
 
   def step(n, s):
-    plgpu.barrier_wait(bar_in)
-    beta_vec = _load(beta_s, _ROW)
-    beta = _rows(beta_vec, half)
-    if cfg.has_segments:
-      cnt_vec = _load(cnt_s, _ROW)
-      cnt_last = cnt_s[c - 1]
-      first = _rows(jnp.where(cnt_vec == 0.0, 1.0, 0.0), half)
-      last = _rows(jnp.where(cnt_vec == cnt_last, 1.0, 0.0), half)
-      carry = jnp.where(cnt_last == 0.0, 1.0, 0.0)
-    else:
-      first = last = None
-      carry = 1.0
-    decay = _rows(jnp.exp(_load(marks_s.at[len(MARKS) - 1], _ROW)) * carry, (kd, bv))
-    bv_init = _load(v_s).astype(_F32) * _rows(beta_vec, (c, bv))
-    (aqk_l, aqk_r), lower = intra_pass(beta, first, last)
-    aqk_s.at[:, pl.ds(0, HALF)][...] = aqk_l.astype(_BF16)
-    aqk_s.at[:, pl.ds(HALF, HALF)][...] = aqk_r.astype(_BF16)
-    o_part, x = state_pass(beta, first, bv_init)
-    plgpu.commit_smem()                    # every read of this chunk's inputs is done
+    slot = lax.rem(n, 2)
+    plgpu.commit_smem()               # this thread's reads of the other slot are done
 
     @pl.when(n + 1 < cfg.num_chunks)
     def _():
-      fetch(n + 1)
+      fetch(n + 1, 1 - slot)
 
+    plgpu.barrier_wait(bars.at[slot])
+    bv_init = _load(v_s.at[slot]).astype(_F32) * _rows(_load(beta_s.at[slot], _ROW), (c, bv))
+    decay = _rows(_load(dec_s.at[slot], _ROW), (kd, bv))
+    x, o_part = mma.products(((c, bv), [(kd_s.at[slot], s_s)], bv_init),
+                             ((c, bv), [(qd_s.at[slot], s_s)], None))
     x_s[...] = x.astype(_BF16)
-    solve(lower)
     plgpu.commit_smem()
-    v_new = product((c, bv), [(m_s, x_s)])
+    v_new = mma.product((c, bv), [(m_s.at[slot], x_s)])
     x_s[...] = v_new.astype(_BF16)
     plgpu.commit_smem()
-    o = product((c, bv), [(aqk_s, x_s)], init=o_part)
-    s = product((kd, bv), [(kg_s.T, x_s)], init=decay * s)
+    o, s = mma.products(((c, bv), [(aqk_s.at[slot], x_s)], o_part),
+                        ((kd, bv), [(kg_s.at[slot].T, x_s)], decay * s))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the previous output left o_s
-    o_s[...] = o.astype(o_s.dtype)
+    o_s[...] = o.astype(_BF16)
     s_s[...] = s.astype(_BF16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, vcols])
@@ -352,38 +388,56 @@ def _kernel_body(cfg: _Config, q_ref, k_ref, v_ref, g_ref, marks_ref, beta_ref, 
   plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_padded(q, k, v, g_cum, marks, beta, counts, h0, cfg: _Config, interpret):
-  """The kernel on padded, prepared inputs (see `forward`)."""
+_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                               approx_math=True)
+
+
+def _stage(cfg: _Config) -> list[plgpu.SMEM]:
+  return [_operand((CHUNK, HALF)), _operand((CHUNK, CHUNK))] if cfg.interpret else []
+
+
+def intra_kernel(q, k, g, beta, counts, cfg: _Config, interpret):
+  """Kernel 1 on `prepare`d inputs: (Q_d, -K_d, K_g, A_qk, M, e^{G_C})."""
   b, t, h, kd = q.shape
-  dv = v.shape[-1]
   c = CHUNK
-  scratch = [
-      _operand((c, kd)), _operand((c, kd)), _operand((c, BLOCK_V)),
-      plgpu.SMEM((c, kd), _F32, transforms=(plgpu.TilingTransform((8, 32)),
-                                            plgpu.SwizzleTransform(128))),
-      plgpu.SMEM((len(MARKS), kd), _F32), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
-      _operand((c, kd)), _operand((c, kd)), _operand((c, kd)),       # kmid, k31, kg
-      _operand((c, c)), _operand((c, c)),                             # A_qk, M
-      _operand((kd, BLOCK_V)), _operand((c, BLOCK_V)), _operand((c, BLOCK_V)),  # S, X/V_new, O
-      plgpu.SMEM((c, TILE), _F32), plgpu.SMEM((c, c), _F32),          # pivots, assembly
-      _operand((c, c)), _operand((c, c)),                             # N operand, Dinv
-      plgpu.Barrier(num_arrivals=7 if cfg.has_segments else 6),
-  ]
-  if cfg.interpret:
-    scratch += [_operand((c, HALF)), _operand((c, c))]
-  kernel = plgpu.kernel(
-      functools.partial(_kernel_body, cfg),
+  tok_k = jax.ShapeDtypeStruct((b, h, t, kd), _BF16)
+  tok_c = jax.ShapeDtypeStruct((b, h, t, c), _BF16)
+  intra = plgpu.kernel(
+      functools.partial(_intra_body, cfg),
+      out_type=(tok_k, tok_k, tok_k, tok_c, tok_c,
+                jax.ShapeDtypeStruct((b, h, cfg.num_chunks, kd), _F32)),
+      scratch_types=[
+          _operand((c, kd)), _operand((c, kd)),
+          plgpu.RefUnion(plgpu.SMEM((c, kd), _F32),
+                         (plgpu.SMEM((c, c), _F32), plgpu.SMEM((c, TILE), _F32))),
+          plgpu.RefUnion(_operand((c, kd)), (_operand((c, c)), _operand((c, c)))),
+          _operand((c, kd)), _operand((c, c)),
+          plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
+          plgpu.Barrier(num_arrivals=5 if cfg.has_segments else 4),
+          *_stage(cfg)],
+      grid=(cfg.num_chunks, h, b), grid_names=("n", "h", "b"),
+      compiler_params=_PARAMS, interpret=interpret, kernel_name="kda_intra_mosaic_gpu")
+  return intra(q, k, g, beta, counts)
+
+
+def state_kernel(qd, kdn, kg, aqk, m, dec, v, beta, h0, cfg: _Config, interpret):
+  """Kernel 2: (o [B, T, H, V] bf16, final state [B, H, K, V] fp32)."""
+  b, t, h, dv = v.shape
+  kd, c, bv = cfg.key_dim, CHUNK, cfg.block_v
+  state = plgpu.kernel(
+      functools.partial(_state_body, cfg),
       out_type=(jax.ShapeDtypeStruct((b, t, h, dv), _BF16),
                 jax.ShapeDtypeStruct((b, h, kd, dv), _F32)),
-      scratch_types=scratch,
-      grid=(dv // BLOCK_V, h, b),
-      grid_names=("v", "h", "b"),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                           approx_math=True),
-      interpret=interpret,
-      kernel_name="kda_fwd_mosaic_gpu",
-  )
-  return kernel(q, k, v, g_cum, marks, beta, counts, h0)
+      scratch_types=[
+          _operand((2, c, kd)), _operand((2, c, kd)), _operand((2, c, kd)),
+          _operand((2, c, c)), _operand((2, c, c)), _operand((2, c, bv)),
+          plgpu.SMEM((2, kd), _F32), plgpu.SMEM((2, c), _F32),
+          _operand((kd, bv)), _operand((c, bv)), _operand((c, bv)),
+          plgpu.Barrier(num_arrivals=8, num_barriers=2),
+          *_stage(cfg)],
+      grid=(dv // bv, h, b), grid_names=("v", "h", "b"),
+      compiler_params=_PARAMS, interpret=interpret, kernel_name="kda_state_mosaic_gpu")
+  return state(qd, kdn, kg, aqk, m, dec, v, beta, h0)
 
 
 def segment_counts(segment_ids: jax.Array, pad: int) -> jax.Array:
@@ -396,11 +450,11 @@ def segment_counts(segment_ids: jax.Array, pad: int) -> jax.Array:
 
 
 def prepare(q, k, v, g, beta, initial_state, segment_ids) -> tuple[jax.Array, ...]:
-  """XLA side of `forward`: the kernel's inputs from the API's.
+  """XLA side of `forward`: the kernels' inputs from the API's.
 
   Zero-pads T to a multiple of 64 (g = beta = 0 leaves the state unchanged);
-  returns bf16 q, k, v; the fp32 chunk-local cumsum G of g [B, T, H, K] and its
-  rows `MARKS` [B, 4 N, H, K]; beta [B, H, T]; segment counts [B, T]; h0.
+  returns bf16 q, k; g in fp32 (its chunk-local cumsum G unless K = 128, where
+  the intra kernel scans it); bf16 v; beta [B, H, T]; segment counts [B, T]; h0.
   """
   b, t, h, kd = q.shape
   dv = v.shape[-1]
@@ -412,11 +466,9 @@ def prepare(q, k, v, g, beta, initial_state, segment_ids) -> tuple[jax.Array, ..
     widths[1] = (0, pad)
     return jnp.pad(x.astype(dtype), widths)
 
-  qp, kp, vp = (padded(x, _BF16) for x in (q, k, v))
-  g_cum = jnp.cumsum(padded(g, _F32).reshape(b, n, CHUNK, h, kd), axis=2)
-  marks = g_cum[:, :, MARKS].reshape(b, n * len(MARKS), h, kd)
-  g_cum = g_cum.reshape(b, n * CHUNK, h, kd)
-  beta_t = jnp.swapaxes(padded(beta, _F32), 1, 2)
+  gp = padded(g, _F32)
+  if kd != SCAN_DIM:
+    gp = jnp.cumsum(gp.reshape(b, n, CHUNK, h, kd), axis=2).reshape(gp.shape)
   if segment_ids is None:
     counts = jnp.zeros((b, n * CHUNK), _F32)
   else:
@@ -425,39 +477,50 @@ def prepare(q, k, v, g, beta, initial_state, segment_ids) -> tuple[jax.Array, ..
     h0 = jnp.zeros((b, h, kd, dv), _F32)
   else:
     h0 = initial_state.astype(_F32)
-  return qp, kp, vp, g_cum, marks, beta_t, counts, h0
+  return (padded(q, _BF16), padded(k, _BF16), gp, padded(v, _BF16),
+          jnp.swapaxes(padded(beta, _F32), 1, 2), counts, h0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float,
-            interpret=False) -> tuple[jax.Array, jax.Array]:
-  """`prepare` and the kernel: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
-
-  `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
-  """
-  t = q.shape[1]
-  args = prepare(q, k, v, g, beta, initial_state, segment_ids)
+def config(q, segment_ids, *, scale: float, interpret=False, block_v: int = BLOCK_V):
+  """(static kernel config, interpret argument) for inputs like q [B, T, H, K]."""
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
-  cfg = _Config(num_chunks=args[0].shape[1] // CHUNK, key_dim=q.shape[-1], scale=scale,
-                has_segments=segment_ids is not None, interpret=bool(interpret))
-  o, s = _forward_padded(*args, cfg, interpret or None)
-  return o[:, :t].astype(q.dtype), s
+  cfg = _Config(num_chunks=-(-q.shape[1] // CHUNK), key_dim=q.shape[-1], scale=scale,
+                has_segments=segment_ids is not None, interpret=bool(interpret),
+                block_v=block_v)
+  return cfg, interpret or None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _kda(q, k, v, g, beta, h0, segment_ids, scale, interpret):
-  return forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret)
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v"))
+def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, interpret=False,
+            block_v: int = BLOCK_V) -> tuple[jax.Array, jax.Array]:
+  """`prepare` and the kernels: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
+
+  `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
+  `block_v`: value columns per CTA of the state kernel (32 or 64).
+  """
+  cfg, interp = config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
+  qp, kp, gp, vp, beta_t, counts, h0 = prepare(q, k, v, g, beta, initial_state, segment_ids)
+  parts = intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
+  o, s = state_kernel(*parts, vp, beta_t, h0, cfg, interp)
+  return o[:, :q.shape[1]].astype(q.dtype), s
 
 
-def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret):
-  out = forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _kda(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v):
+  return forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret,
+                 block_v=block_v)
+
+
+def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v):
+  out = forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret,
+                block_v=block_v)
   return out, (q, k, v, g, beta, h0, segment_ids)
 
 
-def _kda_bwd(scale, interpret, res, cot):
+def _kda_bwd(scale, interpret, block_v, res, cot):
   """VJP of the chunked JAX tier (recomputes its states; see module doc)."""
-  del interpret
+  del interpret, block_v
   q, k, v, g, beta, h0, segment_ids = res
 
   def f(q, k, v, g, beta, h0):
@@ -474,9 +537,9 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: jax.Array | None = None, output_final_state: bool = False,
-                         segment_ids: jax.Array | None = None,
-                         interpret=False) -> tuple[jax.Array, jax.Array | None]:
-  """`api.chunk_kda` semantics on the fused Hopper kernel (bounded gate g >= -5 assumed).
+                         segment_ids: jax.Array | None = None, interpret=False,
+                         block_v: int = BLOCK_V) -> tuple[jax.Array, jax.Array | None]:
+  """`api.chunk_kda` semantics on the Hopper kernels (bounded gate g >= -5 assumed).
 
   Args:
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] natural-log decay in
@@ -484,6 +547,8 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
     scale: defaults to K**-0.5.
     interpret: False on a Hopper GPU; True or a `plgpu.InterpretGPUParams` to run
       the kernel in the Mosaic GPU interpreter (CPU tests).
+    block_v: value columns per CTA of the serial kernel, 64 or 32 (more CTAs
+      for small B * H; the chunk-parallel kernel does not depend on it).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -491,10 +556,13 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
   reason = supports(q, k, v, g, beta, gate_bound=GATE_BOUND)
   if reason is not None:
     raise ValueError(f"chunk_kda_mosaic_gpu: {reason}")
+  if block_v not in (32, 64):
+    raise ValueError(f"block_v must be 32 or 64, got {block_v!r}")
   if scale is None:
     scale = q.shape[-1] ** -0.5
   h0 = initial_state
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
-  o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids, float(scale), interpret)
+  o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids, float(scale), interpret,
+              block_v)
   return o, (s if output_final_state else None)

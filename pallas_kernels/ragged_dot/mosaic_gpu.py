@@ -50,7 +50,9 @@ _JAX_RAGGED_DOT_SMS = 132      # ragged_dot_mgpu hard-codes 132 SMs (H100/H200)
 class GmmConfig:
   """Tiles of gmm. "ws": a CTA tile is [block_m, 2 * block_n] (one half per compute warpgroup);
   "jax": [block_m, block_n]. grid_minor_dim/grid_tile_width order tiles (`plgpu.planar_snake`;
-  "jax" always snakes along N with width grid_tile_width)."""
+  "jax" always snakes along N with width grid_tile_width). "ws" only: cluster_n = 2 pairs CTAs
+  on neighbouring N tiles of the same rows, which load the shared lhs tile once by TMA
+  multicast (a third less L2->SMEM traffic for that operand pair)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -58,12 +60,15 @@ class GmmConfig:
   grid_minor_dim: int = 1
   grid_tile_width: int = 1
   kernel: str = "ws"
+  cluster_n: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class TgmmConfig:
   """Tiles of tgmm: an output tile [block_m, block_n] of out[g] ("ws": [2 * block_m, block_n],
-  one half of the K rows per compute warpgroup); block_k rows of the group per pipeline step."""
+  one half of the K rows per compute warpgroup); block_k rows of the group per pipeline step.
+  "ws" only: cluster_n = 2 pairs CTAs on neighbouring N tiles of the same (group, K rows), which
+  load the shared lhs tile once by TMA multicast."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -71,6 +76,7 @@ class TgmmConfig:
   grid_minor_dim: int = 1
   grid_tile_width: int = 1
   kernel: str = "ws"
+  cluster_n: int = 1
 
 
 def is_hopper() -> bool:
@@ -139,13 +145,13 @@ def _zero_rows_past(out: jax.Array, total: jax.Array) -> jax.Array:
 # block_n/block_m shrink to divide N (K) and the stage count shrinks to fit shared memory.
 # Rows from benchmarks/autotune_ragged_dot.py on the H200 (README.md "Tiles").
 GMM_TABLE: tuple[tuple[tuple[int, int], GmmConfig], ...] = (
-    ((2048, 2048), GmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-                             grid_minor_dim=0, grid_tile_width=8)),
+    ((2048, 2048), GmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3,
+                             grid_minor_dim=1, grid_tile_width=4, cluster_n=2)),
     ((64, 128), GmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
 )
 TGMM_TABLE: tuple[tuple[tuple[int, int], TgmmConfig], ...] = (
-    ((2048, 2048), TgmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-                              grid_minor_dim=1, grid_tile_width=8)),
+    ((2048, 2048), TgmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3,
+                              grid_minor_dim=1, grid_tile_width=1, cluster_n=2)),
     ((128, 64), TgmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
 )
 _BLOCK_N_CHOICES = (128, 64)   # per compute warpgroup
@@ -167,6 +173,8 @@ def gmm_config(m: int, k: int, n: int, in_dtype, out_dtype) -> GmmConfig | str:
   if block_n is None:
     return f"N={n} is not a multiple of 2 * block_n for block_n in {_BLOCK_N_CHOICES}"
   cfg = dataclasses.replace(base, block_m=block_m, block_n=block_n)
+  if (n // (2 * block_n)) % cfg.cluster_n:
+    cfg = dataclasses.replace(cfg, cluster_n=1)
   return _fit_stages(cfg, gmm_smem_bytes, in_dtype, out_dtype)
 
 
@@ -184,6 +192,8 @@ def tgmm_config(m: int, k: int, n: int, in_dtype, out_dtype) -> TgmmConfig | str
   if block_n is None:
     return f"N={n} is not a multiple of block_n in {_BLOCK_N_CHOICES}"
   cfg = dataclasses.replace(base, block_m=block_m, block_n=block_n)
+  if (n // block_n) % cfg.cluster_n:
+    cfg = dataclasses.replace(cfg, cluster_n=1)
   return _fit_stages(cfg, tgmm_smem_bytes, in_dtype, out_dtype)
 
 
@@ -205,6 +215,14 @@ def _check_common(lhs, rhs, out_dtype, interpret: bool) -> str | None:
   return None
 
 
+def _check_cluster(cfg, n_tiles: int) -> str | None:
+  if cfg.cluster_n not in (1, 2):
+    return f"cluster_n must be 1 or 2, got {cfg.cluster_n}"
+  if n_tiles % cfg.cluster_n:
+    return f"{n_tiles} N tiles do not split into clusters of {cfg.cluster_n}"
+  return None
+
+
 def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | None:
   if cfg.kernel not in KERNELS:
     return f"config.kernel must be one of {KERNELS}, got {cfg.kernel!r}"
@@ -217,6 +235,8 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
     return "JAX's ragged_dot_mgpu writes the input dtype only"
   if cfg.kernel == "ws" and m < cfg.block_m:
     return f"M={m} is below block_m={cfg.block_m}"
+  if cfg.kernel == "ws" and (reason := _check_cluster(cfg, n // cta_n)):
+    return reason
   if cfg.kernel == "ws" and cfg.block_n % _swizzle_elems(in_dtype):
     return (f"block_n={cfg.block_n} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
             " swizzle tile (the warpgroups slice the rhs tile along it)")
@@ -233,6 +253,8 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
     return f"K={k} is not a multiple of the CTA tile {cta_m}"
   if n % cfg.block_n:
     return f"N={n} is not a multiple of block_n={cfg.block_n}"
+  if cfg.kernel == "ws" and (reason := _check_cluster(cfg, n // cfg.block_n)):
+    return reason
   if cfg.kernel == "ws" and cfg.block_m % _swizzle_elems(in_dtype):
     return (f"block_m={cfg.block_m} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
             " swizzle tile (the warpgroups slice the lhs tile along it)")
@@ -330,7 +352,8 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   cta_n = 2 * bn
   grid_m = pl.cdiv(m + 7 * (g + 1), bm) + g + 1   # >= the tiles of the G + 1 row groups
-  grid_n = n // cta_n
+  c = cfg.cluster_n
+  grid_n = n // cta_n // c          # in clusters of c neighbouring N tiles
   tiles = _gmm_tiles(sizes_ext, bm, grid_m)
   transforms = _transforms(bk, lhs.dtype)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
@@ -342,7 +365,8 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((pl.Element(bm), bk), lambda ki: (pl.multiple_of(row0, 8), ki),
-                            transforms=transforms),
+                            transforms=transforms,
+                            collective_axes=("cluster",) if c > 1 else ()),
             plgpu.BlockSpec(rhs_block,
                             (lambda ki: (n_idx, ki)) if transpose_rhs
                             else (lambda ki: (ki, n_idx)),
@@ -363,10 +387,11 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     def _scope(pipeline_allocs, out_smem):
       wg = lax.axis_index("wg")
 
-      @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+      @plgpu.nd_loop((grid_m * grid_n,), collective_axes="cluster_grid")
       def _tile(loop_info: plgpu.NDLoopInfo):
-        mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n),
+        mi, nj = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n),
                                     cfg.grid_minor_dim, cfg.grid_tile_width)
+        ni = nj * c + lax.axis_index("cluster")
         group = tiles_gmem[0, mi]
         load0 = tiles_gmem[1, mi]
         offset = tiles_gmem[2, mi]
@@ -411,8 +436,10 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(num_sms,),
-      grid_names=("sm",),
+      grid=(num_sms // c,),
+      grid_names=("cluster_grid",),
+      cluster=(c,),
+      cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
@@ -470,8 +497,9 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   g = num_groups
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   cta_m = 2 * bm
+  c = cfg.cluster_n
   grid_m = k // cta_m
-  grid_n = n // bn
+  grid_n = n // bn // c             # in clusters of c neighbouring N tiles
   first_block = starts // bk
   num_blocks = jnp.where(ends > starts, pl.cdiv(ends, bk) - first_block, 0).astype(jnp.int32)
   lhs_transforms = _transforms(cta_m, lhs.dtype)
@@ -485,7 +513,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((bk, cta_m), lambda kb: (block0 + kb, m_idx),
-                            transforms=lhs_transforms),
+                            transforms=lhs_transforms,
+                            collective_axes=("cluster",) if c > 1 else ()),
             plgpu.BlockSpec((bk, bn), lambda kb: (block0 + kb, n_idx),
                             transforms=rhs_transforms),
         ],
@@ -506,11 +535,12 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     def _scope(pipeline_allocs, out_smem):
       wg = lax.axis_index("wg")
 
-      @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+      @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="cluster_grid")
       def _tile(loop_info: plgpu.NDLoopInfo):
         gi = loop_info.index[0]
-        mi, ni = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n),
+        mi, nj = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n),
                                     cfg.grid_minor_dim, cfg.grid_tile_width)
+        ni = nj * c + lax.axis_index("cluster")
         steps = nblocks_gmem[gi]
         first_row = lax.rem(starts_gmem[gi], bk)
         last_row = lax.rem(ends_gmem[gi] - 1, bk)
@@ -550,8 +580,10 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-      grid=(num_sms,),
-      grid_names=("sm",),
+      grid=(num_sms // c,),
+      grid_names=("cluster_grid",),
+      cluster=(c,),
+      cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

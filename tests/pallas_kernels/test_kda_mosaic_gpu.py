@@ -57,26 +57,26 @@ def fp64_reference(x: dict, segment_ids, cot=None):
                                                          for c in cot))[0])
 
 
-def kernel(x: dict, segment_ids=None):
+def kernel(x: dict, segment_ids=None, block_v=64):
   return mosaic_gpu.chunk_kda_mosaic_gpu(*(x[n] for n in NAMES), initial_state=x["h0"],
                                          output_final_state=True, segment_ids=segment_ids,
-                                         interpret=INTERPRET)
+                                         interpret=INTERPRET, block_v=block_v)
 
 
 CASES = [
-    (1, 130, 2, 128, 128, True),    # partial last chunk, two value blocks, segments
-    (1, 100, 1, 64, 128, False),    # K != V
+    (1, 130, 1, 128, 128, True, 64),   # K = 128 (g scanned in-kernel), segments, 2 value blocks
+    (1, 100, 1, 64, 128, False, 32),   # K != V (XLA cumsum), 4 value blocks of 32
 ]
 if ON_DEVICE:
-  CASES += [(1, 64, 1, 64, 64, False), (2, 1000, 4, 128, 128, True),
-            (1, 4096, 2, 128, 64, False)]
+  CASES += [(1, 64, 1, 64, 64, False, 64), (2, 1000, 4, 128, 128, True, 64),
+            (1, 4096, 2, 128, 64, False, 32)]
 
 
-@pytest.mark.parametrize("b, t, h, dk, dv, with_segments", CASES)
-def test_forward_matches_fp64(b, t, h, dk, dv, with_segments):
+@pytest.mark.parametrize("b, t, h, dk, dv, with_segments, block_v", CASES)
+def test_forward_matches_fp64(b, t, h, dk, dv, with_segments, block_v):
   x = inputs(t + dk + dv, b, t, h, dk, dv)
   sid = segments(t, b) if with_segments else None
-  o, s = kernel(x, sid)
+  o, s = kernel(x, sid, block_v)
   (o_ref, s_ref), _ = fp64_reference(x, sid)
   assert o.shape == (b, t, h, dv) and o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
   assert np.isfinite(np.asarray(o, np.float32)).all()
@@ -140,3 +140,5 @@ def test_supports_and_errors():
   assert "bfloat16 or float32" in mosaic_gpu.supports(*(half[n] for n in NAMES), gate_bound=-5.0)
   with pytest.raises(ValueError, match="K, V"):
     mosaic_gpu.chunk_kda_mosaic_gpu(*(wide[n] for n in NAMES), interpret=True)
+  with pytest.raises(ValueError, match="block_v"):
+    mosaic_gpu.chunk_kda_mosaic_gpu(*args, interpret=True, block_v=128)

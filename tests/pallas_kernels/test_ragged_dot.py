@@ -6,6 +6,8 @@ warpgroups, barriers and TMA). Forward, d_lhs and d_rhs are checked with empty g
 one-row groups, uneven sizes, group starts off the 8-row TMA alignment and rows past
 sum(group_sizes) (which must come out exactly zero, as must their d_lhs rows).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +113,25 @@ def test_jax_example_kernels_forward_and_d_lhs():
   want_out, want_dx, _ = oracle(x, w, ct, CASES["pad_rows"][1])
   assert rel_err(out, want_out) < BF16_TOL
   assert rel_err(d_lhs, want_dx) < BF16_TOL
+
+
+def test_two_cta_clusters():
+  """cluster_n=2: CTA pairs on neighbouring N tiles share the lhs tile by TMA multicast."""
+  m, sizes = CASES["pad_rows"]
+  kx, kw, kc = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(kx, (m, K), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (len(sizes), K, 2 * N), jnp.float32).astype(jnp.bfloat16)
+  ct = jax.random.normal(kc, (m, 2 * N), jnp.float32).astype(jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  gmm_cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, cluster_n=2)
+  tgmm_cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
+                                   cluster_n=2)
+  got = (mosaic_gpu.gmm(x, w, gs, interpret=True, config=gmm_cfg),
+         mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True,
+                        config=dataclasses.replace(gmm_cfg, cluster_n=1)),
+         mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=tgmm_cfg))
+  for name, a, b in zip(("out", "d_lhs", "d_rhs"), got, oracle(x, w, ct, sizes)):
+    assert rel_err(a, b) < BF16_TOL, (name, rel_err(a, b))
 
 
 def test_jax_example_transposed_kernel_has_no_interpret_mode():

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not mosaic_gpu.is_hopper(), reason="needs an NVI
 
 BF16_TOL = 1e-2   # relative L2 error of bf16 outputs (fp32 accumulation): ~3e-3 expected
 SIZES = (0, 1, 517, 1000, 3, 0, 1290, 61)     # sum 2872 of M = 2900: 28 padding rows
-M, K, N = 2900, 512, 768
+M, K, N = 2900, 512, 1024
 
 
 def rel_err(x, ref) -> float:
@@ -49,12 +49,14 @@ def data():
 
 GMM_CONFIGS = [
     mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3),
+    mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, cluster_n=2),
     mosaic_gpu.GmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
                          grid_tile_width=4),
     mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax"),
 ]
 TGMM_CONFIGS = [
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3),
+    mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, cluster_n=2),
     mosaic_gpu.TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0,
                           grid_tile_width=4),
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax"),
