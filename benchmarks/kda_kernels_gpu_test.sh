@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fused Mosaic GPU KDA kernel (pallas_kernels/kda/mosaic_gpu.py) on a Hopper GPU.
+# Mosaic GPU KDA kernels (pallas_kernels/kda/mosaic_gpu.py) compiled and checked on a Hopper GPU.
 #
 #   bash benchmarks/kda_kernels_gpu_test.sh               # pytest -k mosaic_gpu, compiled (no interpreter)
 #   bash benchmarks/kda_kernels_gpu_test.sh --bench       # the tests, then the forward timed against fla

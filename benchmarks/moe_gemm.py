@@ -1,8 +1,8 @@
 """MoE grouped GEMM on one GPU, same inputs, one process (issue "MoE grouped-GEMM kernels").
 
 Implementations: ours (`pallas_kernels.ragged_dot`, Mosaic GPU "ws" kernels with the tile
-table's configs; "_cluster1": the same without the 2-CTA clusters), JAX's own example kernels
-(ragged_dot_mgpu + transposed_ragged_dot_mgpu, through our wrapper),
+table's configs; "_cluster2": the same with 2-CTA clusters sharing the lhs tile), JAX's own
+example kernels (ragged_dot_mgpu + transposed_ragged_dot_mgpu, through our wrapper),
 `jax.lax.ragged_dot` (XLA) and torch `_grouped_mm` (CUTLASS), forward and forward+backward
 (d_lhs and d_rhs), at the K3 expert shapes; bf16 operands, fp32 accumulation, rows sorted
 by group with Dirichlet(1) group sizes. Also: our backward products alone, a dense XLA matmul
@@ -122,8 +122,8 @@ def _table(fn, **changes):
 JAX_IMPLS = {
     "k3jax_mosaic_gpu": (jax.jit(lambda x, w, gs: ragged_dot(x, w, gs, impl="mosaic_gpu")),
                          _vjp_fn(lambda a, b, gs: ragged_dot(a, b, gs, impl="mosaic_gpu"))),
-    "k3jax_mosaic_gpu_cluster1": _explicit(_table(mosaic_gpu.gmm_config, cluster_n=1),
-                                           _table(mosaic_gpu.tgmm_config, cluster_n=1)),
+    "k3jax_mosaic_gpu_cluster2": _explicit(_table(mosaic_gpu.gmm_config, cluster_n=2),
+                                           _table(mosaic_gpu.tgmm_config, cluster_n=2)),
     "jax_example_mgpu": _explicit(lambda m, k, n: JAX_EXAMPLE_GMM,
                                   lambda m, k, n: JAX_EXAMPLE_TGMM),
     "xla_ragged_dot": (jax.jit(jax.lax.ragged_dot), _vjp_fn(jax.lax.ragged_dot)),
@@ -204,8 +204,9 @@ def time_torch(fn) -> float:
 # ------------------------------------------------------------------------------------------
 
 def _key(r: dict) -> tuple:
-  return (r["op"], r["implementation"], r["pass"], json.dumps(r["shape"], sort_keys=True),
-          r["dtype"], r["device"])
+  """Identity of a measurement; other writers' records may lack fields (e.g. "shape")."""
+  return tuple(json.dumps(r.get(f), sort_keys=True)
+               for f in ("op", "implementation", "pass", "shape", "dtype", "device"))
 
 
 def merge_records(path: pathlib.Path, new: list[dict]) -> list[dict]:
@@ -296,7 +297,7 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
     for name, (fwd, fwd_bwd) in JAX_IMPLS.items():
       cfg = {}
       if name.startswith("k3jax"):
-        cfg = dict(configs=configs if name == "k3jax_mosaic_gpu" else "cluster_n=1")
+        cfg = dict(configs=configs if name == "k3jax_mosaic_gpu" else "cluster_n=2")
       rec.measure("moe_gmm", name, "fwd", shape, flops, lambda: time_jax(fwd, x, w, gs),
                   **extra, **cfg)
       rec.measure("moe_gmm", name, "fwd+bwd", shape, 3 * flops,

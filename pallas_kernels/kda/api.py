@@ -20,10 +20,24 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import chunked
+from pallas_kernels.kda import chunked, mosaic_gpu, mosaic_tpu
 from pallas_kernels.kda import reference
 
-IMPLS = ("reference", "chunked")
+IMPLS = ("reference", "chunked", "mosaic_gpu", "mosaic_tpu")
+
+# Kernel tiers: (supports(...) -> reason or None, kernel). A kernel joins `impl=None` on a
+# platform only after its tests pass there: mosaic_gpu passed on the H200 (sm_90); mosaic_tpu
+# has run only in the TPU interpreter, so it is reachable by name only.
+_KERNELS = {"mosaic_gpu": (mosaic_gpu.supports, mosaic_gpu.chunk_kda_mosaic_gpu),
+            "mosaic_tpu": (mosaic_tpu.supports, mosaic_tpu.chunk_kda_mosaic_tpu)}
+
+
+def _default_kernel() -> str | None:
+  """The kernel tier qualified for the default backend's device, if any."""
+  device = jax.devices()[0]
+  if device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0":
+    return "mosaic_gpu"
+  return None
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale) -> float:
@@ -86,8 +100,10 @@ def chunk_kda(
       -5.0); it selects the chunked tier's matmul-only tile factorisation.
       None (default) is exact for any g <= 0 (e.g. Kimi Linear's softplus gate).
       It never changes the result, only the numerical path.
-    impl: one of `IMPLS`, or None for the best tier that supports the call
-      ("chunked", the only parallel tier so far). "reference" is the
+    impl: one of `IMPLS`, or None for the best tier that supports the call:
+      "mosaic_gpu" on Hopper GPUs when its `supports` accepts the call, else
+      "chunked" (fail closed). An explicitly named kernel that cannot take the
+      call raises ValueError with the reason. "reference" is the
       token-by-token `lax.scan`.
 
   Returns:
@@ -101,6 +117,16 @@ def chunk_kda(
     raise ValueError(f"gate_bound must be None or a float in [{chunked.MIN_GATE_BOUND}, 0], "
                      f"got {gate_bound!r}; use None for gates that can go below "
                      f"{chunked.MIN_GATE_BOUND}")
+  kernel = impl if impl in _KERNELS else (_default_kernel() if impl is None else None)
+  if kernel is not None:
+    supports, fn = _KERNELS[kernel]
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              segment_ids=segment_ids)
+    reason = supports(q, k, v, g, beta, gate_bound=gate_bound, **kw)
+    if reason is None:
+      return fn(q, k, v, g, beta, **kw)
+    if impl is not None:
+      raise ValueError(f"impl={impl!r} cannot run this call: {reason}")
   if impl == "reference":
     o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
                                    initial_state=initial_state, segment_ids=segment_ids)

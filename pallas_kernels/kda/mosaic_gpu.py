@@ -26,9 +26,12 @@ accumulation:
      (double-buffered) while this one computes
        V_new = M (diag(beta) V - K_d S),  O = Q_d S + A_qk V_new,
        S' = Diag(e^{G_C}) S + K_g^T V_new      (Eqs. 8-9, WY folded into M).
-A single fused kernel per (value block, head, batch) doing both (the first
-version) ran at 2.2 ms for B=1, T=8192, H=32 on an H200, against fla's 1.0 ms:
-its 64 CTAs of one warpgroup each left the chunk-parallel work latency-bound.
+Measured on an H200 (B=1, T=8192, K=V=128, bf16, forward with the XLA part):
+0.56 ms at H=32 (fla-core 0.6.0 chunk_kda 1.00 ms in the same run) and
+1.44 ms at H=96 (fla 2.94 ms in anchors_h200.md). A single fused kernel per
+(value block, head, batch) doing both (the first version) ran at 2.2 ms for
+H=32: its 64 CTAs of one warpgroup each left the chunk-parallel work
+latency-bound.
 Segments (segment_ids) mask A_qk and L to one segment, Q_d and K_d to the
 chunk's first segment, K_g to its last, and zero the carried state when a
 segment starts inside the chunk (as chunked.py).
@@ -59,7 +62,8 @@ GATE_BOUND = -5.0
 CHUNK = 64
 HALF = 32                  # factorisation block; also the K-slab width of the passes
 TILE = 16                  # diagonal blocks inverted exactly
-BLOCK_V = 64               # default value columns per CTA of the state kernel
+BLOCK_V = 64               # value columns per CTA of the state kernel (or 32, see `pick_block_v`)
+NUM_SMS = 132              # H100 / H200 SXM
 HEAD_DIMS = (64, 128)
 SCAN_DIM = 128             # K for which the intra kernel scans g itself (one thread per channel)
 MAX_GRID = 65535           # CUDA's limit on the grid's y and z extents
@@ -96,7 +100,7 @@ class _Config:
   scale: float
   has_segments: bool
   interpret: bool
-  block_v: int = 64
+  block_v: int = BLOCK_V
 
   @property
   def scan(self) -> bool:
@@ -462,6 +466,8 @@ def prepare(q, k, v, g, beta, initial_state, segment_ids) -> tuple[jax.Array, ..
   n = (t + pad) // CHUNK
 
   def padded(x, dtype):
+    if pad == 0:
+      return x.astype(dtype)
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, pad)
     return jnp.pad(x.astype(dtype), widths)
@@ -479,6 +485,12 @@ def prepare(q, k, v, g, beta, initial_state, segment_ids) -> tuple[jax.Array, ..
     h0 = initial_state.astype(_F32)
   return (padded(q, _BF16), padded(k, _BF16), gp, padded(v, _BF16),
           jnp.swapaxes(padded(beta, _F32), 1, 2), counts, h0)
+
+
+def pick_block_v(b: int, h: int, dv: int) -> int:
+  """32 value columns per state-kernel CTA when 64 would leave SMs idle (B=1, T=8192, H=32:
+  0.56 ms against 0.62 ms), else 64 (less repeated reading of the shared key-side tiles)."""
+  return 32 if b * h * (dv // BLOCK_V) < NUM_SMS else BLOCK_V
 
 
 def config(q, segment_ids, *, scale: float, interpret=False, block_v: int = BLOCK_V):
@@ -538,7 +550,7 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: jax.Array | None = None, output_final_state: bool = False,
                          segment_ids: jax.Array | None = None, interpret=False,
-                         block_v: int = BLOCK_V) -> tuple[jax.Array, jax.Array | None]:
+                         block_v: int | None = None) -> tuple[jax.Array, jax.Array | None]:
   """`api.chunk_kda` semantics on the Hopper kernels (bounded gate g >= -5 assumed).
 
   Args:
@@ -548,7 +560,7 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
     interpret: False on a Hopper GPU; True or a `plgpu.InterpretGPUParams` to run
       the kernel in the Mosaic GPU interpreter (CPU tests).
     block_v: value columns per CTA of the serial kernel, 64 or 32 (more CTAs
-      for small B * H; the chunk-parallel kernel does not depend on it).
+      for small B * H); None picks with `pick_block_v`.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -556,8 +568,10 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
   reason = supports(q, k, v, g, beta, gate_bound=GATE_BOUND)
   if reason is not None:
     raise ValueError(f"chunk_kda_mosaic_gpu: {reason}")
+  if block_v is None:
+    block_v = pick_block_v(q.shape[0], q.shape[2], v.shape[-1])
   if block_v not in (32, 64):
-    raise ValueError(f"block_v must be 32 or 64, got {block_v!r}")
+    raise ValueError(f"block_v must be None, 32 or 64, got {block_v!r}")
   if scale is None:
     scale = q.shape[-1] ** -0.5
   h0 = initial_state

@@ -142,16 +142,19 @@ def _zero_rows_past(out: jax.Array, total: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------------
 
 # (min K, min N) -> base config; the first row whose minima the call meets is taken, then
-# block_n/block_m shrink to divide N (K) and the stage count shrinks to fit shared memory.
-# Rows from benchmarks/autotune_ragged_dot.py on the H200 (README.md "Tiles").
+# block_n/block_m shrink to divide N (K), cluster_n drops to 1 when the N tiles are odd, and the
+# stage count shrinks to fit shared memory. The large-shape rows are the best of
+# benchmarks/autotune_ragged_dot.py on the H200 at G32 M32768 K3584 N3072 (README.md "Tiles"):
+# block 128 x 2*128 x 64, 3 stages (4 do not fit beside the epilogue tiles), no clusters (2-CTA
+# multicast of the lhs tile measured no faster), N-minor tile order 4 wide for gmm.
 GMM_TABLE: tuple[tuple[tuple[int, int], GmmConfig], ...] = (
     ((2048, 2048), GmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3,
-                             grid_minor_dim=1, grid_tile_width=4, cluster_n=2)),
+                             grid_minor_dim=1, grid_tile_width=4)),
     ((64, 128), GmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
 )
 TGMM_TABLE: tuple[tuple[tuple[int, int], TgmmConfig], ...] = (
     ((2048, 2048), TgmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3,
-                              grid_minor_dim=1, grid_tile_width=1, cluster_n=2)),
+                              grid_minor_dim=1, grid_tile_width=1)),
     ((128, 64), TgmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
 )
 _BLOCK_N_CHOICES = (128, 64)   # per compute warpgroup

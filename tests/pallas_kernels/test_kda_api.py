@@ -114,3 +114,22 @@ def test_fused_recurrent_validates_inputs():
   (q, k, v, g, beta), _ = _inputs()
   with pytest.raises(ValueError, match="k must have q's shape"):
     fused_recurrent_kda(q, k[..., :8], v, g, beta)
+
+
+def test_named_kernel_that_cannot_take_the_call_says_why():
+  """Fail closed: an explicit kernel tier rejects an unbounded gate with its reason."""
+  q = jnp.ones((1, 8, 1, 64), jnp.float32) / 8.0
+  beta = jnp.full((1, 8, 1), 0.5, jnp.float32)
+  for impl in ("mosaic_gpu", "mosaic_tpu"):
+    with pytest.raises(ValueError, match=f"impl='{impl}' cannot run this call"):
+      api.chunk_kda(q, q, q, -q, beta, impl=impl)
+
+
+def test_default_tier_on_this_platform_is_the_chunked_one():
+  """On CPU no kernel is qualified: impl=None equals the chunked tier exactly."""
+  x = jax.random.normal(jax.random.key(0), (1, 70, 2, 64)) / 8.0
+  g = -jax.nn.softplus(x)
+  beta = jax.nn.sigmoid(x[..., 0])
+  a, _ = api.chunk_kda(x, x, x, g, beta)
+  b, _ = api.chunk_kda(x, x, x, g, beta, impl="chunked")
+  assert jnp.array_equal(a, b)

@@ -1,4 +1,4 @@
-"""Fused Mosaic GPU KDA kernel vs the token-by-token recurrence in fp64.
+"""Mosaic GPU KDA kernels vs the token-by-token recurrence in fp64.
 
 On CPU the kernel runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
 With K3JAX_KDA_TEST_ON_DEVICE=1 it is compiled for the (Hopper) GPU instead and
@@ -142,3 +142,5 @@ def test_supports_and_errors():
     mosaic_gpu.chunk_kda_mosaic_gpu(*(wide[n] for n in NAMES), interpret=True)
   with pytest.raises(ValueError, match="block_v"):
     mosaic_gpu.chunk_kda_mosaic_gpu(*args, interpret=True, block_v=128)
+  assert mosaic_gpu.pick_block_v(1, 32, 128) == 32     # 64 CTAs of 64 columns < 132 SMs
+  assert mosaic_gpu.pick_block_v(1, 96, 128) == 64
