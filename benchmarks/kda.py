@@ -25,6 +25,9 @@ _IMPLS = flags.DEFINE_list("impls", ["chunked", "fla", "jla_mosaic_gpu", "jla_ch
                            "chunked | mosaic_gpu | fla | jla_mosaic_gpu | jla_chunked")
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (JAX).")
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "",
+                                   "If set, an XLA profiler trace of each JAX implementation's "
+                                   "timed calls is written under this directory.")
 
 
 _KEY = ("op", "implementation", "pass", "B", "T", "H", "K", "V", "dtype", "device")
@@ -74,6 +77,10 @@ def run_jax(impl, x, passes, reps):
   args = (bf(x["q"]), bf(x["k"]), bf(x["v"]), jnp.asarray(x["g"]), jnp.asarray(x["beta"]))
   fwd, fwd_bwd = jax_fns(impl)
   out = {}
+  if _PROFILE_DIR.value:
+    jax.block_until_ready((fwd(*args), fwd_bwd(*args, bf(x["do"]))))
+    with jax.profiler.trace(os.path.join(_PROFILE_DIR.value, impl)):
+      jax.block_until_ready((fwd(*args), fwd_bwd(*args, bf(x["do"]))))
   if "fwd" in passes:
     out["fwd"] = common.time_jax(fwd, *args, reps=reps)
     out["_o"] = np.asarray(fwd(*args).astype(jnp.float32))
