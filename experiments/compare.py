@@ -26,6 +26,7 @@ _METRICS = flags.DEFINE_list("metrics", ["lm_loss"], "Metrics to plot, one panel
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps per variant.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare", "Parent of the variants' workdirs.")
 _OUTDIR = flags.DEFINE_string("outdir", "experiments/results", "Where the PNG and JSON go.")
+_SMOOTH = flags.DEFINE_float("smooth", 0.8, "EMA factor for the plotted curves (0 = raw).")
 flags.mark_flags_as_required(["name", "variants"])
 
 
@@ -59,6 +60,15 @@ def read_metrics(workdir: str) -> list[dict]:
   return [by_step[s] for s in sorted(by_step)]
 
 
+def ema(values: list[float], factor: float) -> list[float]:
+  """Exponential moving average, started at the first value (same-data noise hides trends)."""
+  out, acc = [], None
+  for v in values:
+    acc = v if acc is None else factor * acc + (1 - factor) * v
+    out.append(acc)
+  return out
+
+
 def main(argv):
   del argv
   variants = parse_variants(_VARIANTS.value)
@@ -75,11 +85,11 @@ def main(argv):
   for ax, metric in zip(axes[0], _METRICS.value):
     for label, recs in curves.items():
       pts = [(r["step"], r[metric]) for r in recs if metric in r]
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
+      ax.plot([p[0] for p in pts], ema([p[1] for p in pts], _SMOOTH.value), label=label)
       tail = [p[1] for p in pts[-5:]]
       summary.setdefault(label, {})[f"{metric}_final_mean5"] = sum(tail) / max(len(tail), 1)
     ax.set_xlabel("step")
-    ax.set_ylabel(metric)
+    ax.set_ylabel(f"{metric} (EMA {_SMOOTH.value})" if _SMOOTH.value else metric)
     ax.set_title(f"{_NAME.value}: {metric}")
     ax.legend()
   os.makedirs(_OUTDIR.value, exist_ok=True)
