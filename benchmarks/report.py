@@ -11,6 +11,8 @@ from absl import app, flags
 
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the tables inside BENCHMARKS.md.")
 _MARK_BEGIN, _MARK_END = "<!-- tables -->", "<!-- /tables -->"
+_SKIP = ("op", "versions", "error", "configs", "device", "date")
+_MAX_CHARS = 90
 
 
 def _fmt(v):
@@ -20,7 +22,8 @@ def _fmt(v):
     return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
   if isinstance(v, dict):
     return " ".join(f"{k}{x}" for k, x in v.items())
-  return str(v)
+  text = str(v)
+  return text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS - 3] + "..."
 
 
 def table(records: list[dict], columns: list[str]) -> str:
@@ -42,10 +45,12 @@ def render() -> str:
       recs = [r for r in records if r.get("op") == op]
       keys = []
       for r in recs:
-        keys += [k for k in r if k not in keys and k not in ("op", "versions", "error")]
+        keys += [k for k in r if k not in keys and k not in _SKIP]
       if any("error" in r for r in recs):
         keys.append("error")
-      out.append(f"### `{op}` ({os.path.basename(path)})\n\n" + table(recs, keys))
+      where = sorted({f"{r.get('device')}, {r.get('date')}" for r in recs})
+      out.append(f"### `{op}` ({os.path.basename(path)}; {'; '.join(where)})\n\n"
+                 + table(recs, keys))
   return "\n\n".join(out)
 
 

@@ -23,7 +23,7 @@ def main(argv):
   del argv
   cfg = config_lib.validate(_CONFIG.value)
   t = cfg.train
-  setup, state = train.init(cfg, 0, kda_impl=cfg.kernels.kda_impl)
+  setup, state = train.init(cfg, 0)
   step = jax.jit(train.make_train_step(setup), donate_argnums=0)
   rng = np.random.default_rng(0)
   b, s = t.global_batch_size, t.seq_len
@@ -51,6 +51,7 @@ def main(argv):
              tokens_per_s=round(tok_s, 1), model_tflops=round(tok_s * fpt / 1e12, 2),
              mfu=round(tok_s * fpt / peak, 4), peak_source=source, total_params=counts.total,
              active_params=counts.active, kda_impl=cfg.kernels.kda_impl or "auto",
+             ragged_dot_impl=cfg.kernels.ragged_dot_impl or "auto",
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1),
              device=common.device_name(), date=common.today(), versions=common.versions())
   common.merge_records(_OUT.value, [rec], ("op", "config", "B", "T", "kda_impl", "device"))

@@ -141,7 +141,7 @@ def generate(model: K3ForCausalLM, prompt_tokens: jax.Array | np.ndarray, *, max
 def _abstract_model(cfg: ml_collections.ConfigDict) -> tuple[Any, dict, dict]:
   """(graphdef, params, buffers) of the model with jax.ShapeDtypeStruct leaves on one device."""
   abstract = nnx.eval_shape(lambda: K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0),
-                                                  kda_impl=cfg.kernels.kda_impl))
+                                                  kernels=cfg.kernels))
   graphdef, params, buffers = nnx.split(abstract, nnx.Param, ...)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)

@@ -44,7 +44,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
     raise ValueError(f"config field `train.global_batch_size`: {t.global_batch_size} is not "
                      f"divisible by the {batch_shards} batch shards of the mesh")
 
-  setup, state = train.init(cfg, t.seed, kda_impl=cfg.kernels.kda_impl)
+  setup, state = train.init(cfg, t.seed)
   state_shardings = train.state_shardings(setup, state, mesh, rules)
   state = jax.device_put(state, state_shardings)
   step_fn = jax.jit(train.make_train_step(setup), donate_argnums=0,

@@ -5,6 +5,7 @@ otherwise; its FFN is a dense SiTU-GLU for i < first_k_dense_replace (or when th
 experts) and a Stable LatentMoE after. With `attn_res_block_size` > 0 the layers are wired by
 Block Attention Residuals; with 0, by an ordinary pre-norm residual stream (Kimi Linear).
 """
+import functools
 from typing import Any
 
 import jax
@@ -20,13 +21,17 @@ from k3jax.latent_moe import LatentMoE
 from k3jax.mla import GatedMLA
 from k3jax.norms import RMSNorm
 from k3jax.situ import SiTUGLU
+from pallas_kernels import ragged_dot as grouped_matmul
 
 
 class DecoderLayer(nnx.Module):
   """One decoder layer; attribute names follow HF `language_model.model.layers.{i}.*`."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, index: int, *, rngs: nnx.Rngs,
-               kda_impl: str = ""):
+               kernels: ml_collections.ConfigDict | None = None):
+    """cfg: the model config; kernels: the config's `kernels` section ("" = best available)."""
+    kda_impl = kernels.kda_impl if kernels else ""
+    gmm_impl = (kernels.ragged_dot_impl if kernels else "") or None
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     dt, pdt = config_lib.dtype(cfg.dtype), config_lib.dtype(cfg.param_dtype)
     self.index, self.kind = index, config_lib.layer_types(cfg)[index]
@@ -55,7 +60,9 @@ class DecoderLayer(nnx.Module):
           n_shared_experts=e.n_shared_experts, moe_intermediate_size=e.moe_intermediate_size,
           latent_size=e.latent_size, routed_scaling_factor=e.routed_scaling_factor,
           norm_topk_prob=e.norm_topk_prob, beta1=cfg.situ_beta1, beta2=cfg.situ_beta2,
-          rms_norm_eps=eps, qb_num_bins=e.qb_num_bins, rngs=rngs, dtype=dt, param_dtype=pdt)
+          rms_norm_eps=eps, qb_num_bins=e.qb_num_bins,
+          ragged_dot=functools.partial(grouped_matmul.ragged_dot, impl=gmm_impl),
+          rngs=rngs, dtype=dt, param_dtype=pdt)
     else:
       self.mlp = SiTUGLU(d, cfg.dense_intermediate_size, beta1=cfg.situ_beta1,
                          beta2=cfg.situ_beta2, rngs=rngs, dtype=dt, param_dtype=pdt)
@@ -122,7 +129,8 @@ def attn_res_layer(layer: DecoderLayer, blocks: list, partial, segment_ids, posi
 class K3ForCausalLM(nnx.Module):
   """The K3 language model; attribute names follow HF `language_model.model.*`."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs, kda_impl: str = ""):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs,
+               kernels: ml_collections.ConfigDict | None = None):
     d = cfg.hidden_size
     self.cfg = cfg
     self.dtype = config_lib.dtype(cfg.dtype)
@@ -130,7 +138,7 @@ class K3ForCausalLM(nnx.Module):
     normal = lambda key, shape, dt: jax.random.normal(key, shape, jnp.float32).astype(dt)
     self.embed_tokens = nnx.Dict(embedding=params.param(
         rngs, normal, (cfg.vocab_size, d), ("vocab", "embed"), pdt))
-    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, kda_impl=kda_impl)
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, kernels=kernels)
                             for i in range(cfg.num_layers)])
     self.block_size = cfg.attn_res_block_size
     if self.block_size:
@@ -140,7 +148,7 @@ class K3ForCausalLM(nnx.Module):
         rngs, params.fan_in_init((0,)), (d, cfg.vocab_size), ("embed", "vocab"), pdt))
     self.remat = cfg.remat == "full"
     if cfg.mtp_num_layers:
-      self.mtp = mtp_lib.MTP(cfg, rngs=rngs)
+      self.mtp = mtp_lib.MTP(cfg, rngs=rngs, kernels=kernels)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embed_tokens["embedding"][...], tokens, axis=0).astype(self.dtype)

@@ -43,7 +43,8 @@ def block_config(model_cfg: ml_collections.ConfigDict) -> ml_collections.ConfigD
 class MTP(nnx.Module):
   """One MTP depth; parameter paths `enorm`, `hnorm`, `eh_proj`, `layer`, `norm`."""
 
-  def __init__(self, model_cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+  def __init__(self, model_cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs,
+               kernels: ml_collections.ConfigDict | None = None):
     d, eps = model_cfg.hidden_size, model_cfg.rms_norm_eps
     self.hidden_size = d
     self.dtype = config_lib.dtype(model_cfg.dtype)
@@ -52,7 +53,8 @@ class MTP(nnx.Module):
     self.eh_proj = nnx.Dict(kernel=params.param(
         rngs, params.fan_in_init((0,)), (2 * d, d), ("mtp_concat", "embed"),
         config_lib.dtype(model_cfg.param_dtype)))
-    self.layer = model_lib.DecoderLayer(block_config(model_cfg), 0, rngs=rngs)
+    self.layer = model_lib.DecoderLayer(block_config(model_cfg), 0, rngs=rngs,
+                                        kernels=kernels)
     self.norm = RMSNorm(d, eps, rngs=rngs)
     self.remat = model_cfg.remat == "full"
 

@@ -53,10 +53,9 @@ class Setup:
   logical_names: dict  # {"params": ..., "buffers": ...}: pure dicts of logical axis names
 
 
-def init(cfg: ml_collections.ConfigDict, seed: int, kda_impl: str = ""
-         ) -> tuple[Setup, TrainState]:
+def init(cfg: ml_collections.ConfigDict, seed: int) -> tuple[Setup, TrainState]:
   """Builds the model and optimizer; returns (setup, state) with concrete arrays."""
-  model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(seed), kda_impl=kda_impl)
+  model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(seed), kernels=cfg.kernels)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   names = {k: jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), st,
                            is_leaf=lambda x: isinstance(x, nnx.Variable))
