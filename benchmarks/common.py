@@ -9,8 +9,12 @@ from typing import Any, Callable
 import jax
 
 
-def time_jax(fn: Callable, *args, warmup: int = 3, reps: int = 30) -> float:
-  """Median milliseconds of `fn(*args)` (jitted), synchronised with block_until_ready."""
+def time_jax(fn: Callable, *args, warmup: int = 3, reps: int = 30,
+             budget_s: float | None = None) -> float:
+  """Median milliseconds of `fn(*args)` (jitted), synchronised with block_until_ready.
+
+  With `budget_s`, stops repeating once that much time was spent (after at least 5 calls).
+  """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -18,6 +22,8 @@ def time_jax(fn: Callable, *args, warmup: int = 3, reps: int = 30) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - t0) * 1e3)
+    if budget_s is not None and sum(times) > 1e3 * budget_s and len(times) >= 5:
+      break
   return statistics.median(times)
 
 

@@ -24,8 +24,6 @@ import datetime
 import json
 import os
 import pathlib
-import statistics
-import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")   # leave room for torch
@@ -34,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import common  # noqa: E402
 from pallas_kernels.ragged_dot import mosaic_gpu  # noqa: E402
 from pallas_kernels.ragged_dot import plan  # noqa: E402
 from pallas_kernels.ragged_dot import ragged_dot  # noqa: E402
@@ -65,18 +64,9 @@ def make_inputs(g: int, m: int, k: int, n: int, sizes: np.ndarray, seed: int = 0
   return x, w, d_out, jnp.asarray(sizes)
 
 
-def time_jax(fn, *args, reps: int = 50, warmup: int = 3, budget_s: float = 3.0) -> float:
-  """Median ms of fn(*args) (block_until_ready around each call) after warm-up."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-    if sum(times) > budget_s and len(times) >= 5:
-      break
-  return statistics.median(times) * 1e3
+def time_jax(fn, *args) -> float:
+  """Median ms after warm-up: 50 calls or 3 s, whichever ends first."""
+  return common.time_jax(fn, *args, reps=50, budget_s=3.0)
 
 
 def tflops(flops: float, ms: float) -> float:
