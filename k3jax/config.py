@@ -87,6 +87,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             "model.kda.short_conv_kernel_size", "model.mla.num_heads",
             "model.mla.kv_lora_rank", "model.mla.qk_nope_head_dim", "model.mla.v_head_dim",
             "train.steps", "train.global_batch_size", "train.seq_len", "train.log_every",
+            "train.grad_accum_steps",
             "train.checkpoint_every", "train.keep_checkpoints", "model.moe.qb_num_bins")
   _non_negative(cfg, "model.first_k_dense_replace", "model.attn_res_block_size",
                 "model.mtp_num_layers", "model.mla.q_lora_rank", "model.mla.qk_rope_head_dim",
@@ -112,6 +113,15 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if m.moe.num_experts_per_tok > m.moe.num_experts:
       raise ConfigError("model.moe.num_experts_per_tok",
                         f"top-k {m.moe.num_experts_per_tok} exceeds num_experts {m.moe.num_experts}")
+  if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
+    raise ConfigError("train.grad_accum_steps",
+                      f"{cfg.train.grad_accum_steps} does not divide train.global_batch_size="
+                      f"{cfg.train.global_batch_size}")
+  if m.moe.balancing == "quantile_exact" and cfg.train.grad_accum_steps > 1:
+    raise ConfigError("model.moe.balancing",
+                      "quantile_exact keeps every score of the step and cannot be accumulated "
+                      "over micro-batches; use quantile (the histogram estimator) or "
+                      "train.grad_accum_steps=1")
   if m.kda.gate == "lower_bound" and not m.kda.gate_lower_bound < 0:
     raise ConfigError("model.kda.gate_lower_bound", "must be negative")
   for axis in ("pipeline", "expert", "context"):

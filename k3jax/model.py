@@ -61,6 +61,7 @@ class DecoderLayer(nnx.Module):
           latent_size=e.latent_size, routed_scaling_factor=e.routed_scaling_factor,
           norm_topk_prob=e.norm_topk_prob, beta1=cfg.situ_beta1, beta2=cfg.situ_beta2,
           rms_norm_eps=eps, qb_num_bins=e.qb_num_bins,
+          qb_keep_scores=e.balancing == "quantile_exact",
           ragged_dot=functools.partial(grouped_matmul.ragged_dot, impl=gmm_impl),
           rngs=rngs, dtype=dt, param_dtype=pdt)
     else:

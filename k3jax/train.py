@@ -125,6 +125,45 @@ def moe_metrics(aux) -> dict[str, jax.Array]:
   return out
 
 
+def _merge_layer_aux(a: dict, b: dict) -> dict:
+  """Combines one layer's aux of two micro-batches: MoE counts add, logit maxima take the max."""
+  out = {}
+  for key, value in a.items():
+    if key == "moe":
+      out[key] = latent_moe.merge_aux(value, b[key])
+    elif key == "mla_max_logit":
+      out[key] = jnp.maximum(value, b[key])
+    else:
+      out[key] = value + b[key]
+  return out
+
+
+def accumulated_grads(params, buffers, graphdef, batch: dict[str, jax.Array], steps: int):
+  """Loss, aux and gradients averaged over `steps` equal micro-batches of `batch`.
+
+  Returns ((loss, (aux, lm_loss)), grads) like `jax.value_and_grad(loss_fn, has_aux=True)`.
+  The MoE statistics of all micro-batches are merged before the bias update (the histogram
+  counts add, report App. D), so the update equals the one of the whole batch.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if steps == 1:
+    return grad_fn(params, buffers, graphdef, batch)
+  micro = jax.tree.map(lambda x: x.reshape(steps, x.shape[0] // steps, *x.shape[1:]), batch)
+  first = grad_fn(params, buffers, graphdef, jax.tree.map(lambda x: x[0], micro))
+
+  def body(carry, mb):
+    (loss, (aux, lm_loss)), grads = carry
+    (l2, (a2, lm2)), g2 = grad_fn(params, buffers, graphdef, mb)
+    aux = {i: _merge_layer_aux(aux[i], a2[i]) for i in aux}
+    return ((loss + l2, (aux, lm_loss + lm2)), jax.tree.map(jnp.add, grads, g2)), None
+
+  ((loss, (aux, lm_loss)), grads), _ = jax.lax.scan(
+      body, first, jax.tree.map(lambda x: x[1:], micro))
+  aux = {i: {k: (v / steps if k == "mtp_loss" else v) for k, v in a.items()}
+         for i, a in aux.items()}
+  return (loss / steps, (aux, lm_loss / steps)), jax.tree.map(lambda g: g / steps, grads)
+
+
 def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """The jittable step: forward, backward, optimizer, QK-Clip, MoE bias update."""
   cfg = setup.cfg
@@ -132,8 +171,8 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainSta
   clip = cfg.train.optimizer != "adamw" and cfg.train.qk_clip_tau > 0
 
   def step(state: TrainState, batch: dict[str, jax.Array]):
-    (loss, (aux, lm_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state["params"], state["buffers"], setup.graphdef, batch)
+    (loss, (aux, lm_loss)), grads = accumulated_grads(
+        state["params"], state["buffers"], setup.graphdef, batch, cfg.train.grad_accum_steps)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     max_logits = {("mtp.layer" if i == cfg.model.num_layers else f"layers.{i}") + ".self_attn":

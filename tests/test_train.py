@@ -6,9 +6,11 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
-from k3jax import config, loop
+from k3jax import config, loop, train
 
 OVERRIDES = {"model.num_layers": 4, "model.full_attn_layers": (2, 4),
              "model.attn_res_block_size": 2, "train.seq_len": 64, "train.global_batch_size": 4,
@@ -68,3 +70,40 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(uninterrupted, tmp_path
   assert "resumed from step" in again.stdout + again.stderr
   expected = _losses(uninterrupted[0])
   assert _losses(workdir) == expected
+
+
+def _step(overrides: dict, batch: dict):
+  cfg = config.load("experiments/configs/k3_tiny.py", overrides)
+  setup, state = train.init(cfg, 0)
+  return jax.jit(train.make_train_step(setup))(state, batch)
+
+
+def _batch(b: int, t: int) -> dict:
+  toks = np.random.default_rng(0).integers(0, 258, (b, t + 1)).astype(np.int32)
+  return dict(inputs=toks[:, :-1], targets=toks[:, 1:], segment_ids=np.ones((b, t), np.int32),
+              positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+              loss_mask=np.ones((b, t), np.float32))
+
+
+SMALL = {k: v for k, v in OVERRIDES.items() if k.startswith("model.")}
+SMALL.update({"train.seq_len": 64, "train.global_batch_size": 4, "train.optimizer": "adamw"})
+
+
+def test_grad_accumulation_equals_the_whole_batch():
+  """Two micro-batches give the whole batch's loss, update and balancing bias (App. D)."""
+  batch = _batch(4, 64)
+  s1, m1 = _step({**SMALL, "train.grad_accum_steps": 1}, batch)
+  s2, m2 = _step({**SMALL, "train.grad_accum_steps": 2}, batch)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-4, atol=2e-5)
+
+
+def test_exact_quantile_balancing_trains_and_refuses_accumulation():
+  state, _ = _step({**SMALL, "model.moe.balancing": "quantile_exact"}, _batch(4, 64))
+  bias = state["buffers"]["layers"][1]["block_sparse_moe"]["gate"]["e_score_correction_bias"]
+  assert float(np.abs(np.asarray(bias)).sum()) > 0
+  with pytest.raises(config.ConfigError, match="model.moe.balancing"):
+    config.load("experiments/configs/k3_tiny.py",
+                {**SMALL, "model.moe.balancing": "quantile_exact", "train.grad_accum_steps": 2})

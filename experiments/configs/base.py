@@ -67,6 +67,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000
   t.global_batch_size = 8
+  t.grad_accum_steps = 1  # micro-batches per optimizer step (global_batch_size is split)
   t.seq_len = 1024
   t.optimizer = "muon"  # muon (per-head, report §2.5) | muon_whole | adamw
   t.learning_rate = 3e-4

@@ -36,9 +36,12 @@ Segments (segment_ids) mask A_qk and L to one segment, Q_d and K_d to the
 chunk's first segment, K_g to its last, and zero the carried state when a
 segment starts inside the chunk (as chunked.py).
 
-Backward: NOT a kernel. `chunk_kda_mosaic_gpu` is a `jax.custom_vjp` whose
-backward is the VJP of the chunked JAX tier (`chunked.chunk_kda` with
-gate_bound -5), which recomputes its own per-chunk states (fp32, exact).
+Backward: `chunk_kda_mosaic_gpu` is a `jax.custom_vjp`. backward="chunked"
+(default) is the VJP of the chunked JAX tier (`chunked.chunk_kda` with
+gate_bound -5), which recomputes its own per-chunk states (fp32, exact);
+backward="kernel" is `mosaic_gpu_bwd.backward`: the serial state walks (forward
+for the states, reverse for their gradients) as Mosaic GPU kernels and the
+chunk-parallel gradients as batched XLA einsums (no scan).
 
 Interpret mode (`interpret=True` uses `plgpu.InterpretGPUParams()`): the CPU
 interpreter's wgmma reads both operands from SMEM and cannot start from an
@@ -56,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.kda import chunked
+from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
 
 GATE_BOUND = -5.0
@@ -68,6 +72,7 @@ HEAD_DIMS = (64, 128)
 SCAN_DIM = 128             # K for which the intra kernel scans g itself (one thread per channel)
 MAX_GRID = 65535           # CUDA's limit on the grid's y and z extents
 MID, SPLIT, LAST = 15, 31, 63   # rows of G used as per-channel anchors
+BACKWARDS = ("chunked", "kernel")
 
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)       # one value per row of a WGMMA-layout array
@@ -518,22 +523,27 @@ def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, inter
   return o[:, :q.shape[1]].astype(q.dtype), s
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kda(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _kda(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v, backward):
+  del backward
   return forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret,
                  block_v=block_v)
 
 
-def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v):
+def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v, backward):
+  del backward
   out = forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret,
                 block_v=block_v)
   return out, (q, k, v, g, beta, h0, segment_ids)
 
 
-def _kda_bwd(scale, interpret, block_v, res, cot):
-  """VJP of the chunked JAX tier (recomputes its states; see module doc)."""
-  del interpret, block_v
+def _kda_bwd(scale, interpret, block_v, backward, res, cot):
+  """The kernel backward or the VJP of the chunked JAX tier (see module doc)."""
   q, k, v, g, beta, h0, segment_ids = res
+  if backward == "kernel":
+    grads = mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, *cot, scale=scale,
+                                    interpret=interpret, block_v=block_v)
+    return (*grads, None)
 
   def f(q, k, v, g, beta, h0):
     o, s = chunked.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
@@ -550,7 +560,8 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: jax.Array | None = None, output_final_state: bool = False,
                          segment_ids: jax.Array | None = None, interpret=False,
-                         block_v: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+                         block_v: int | None = None,
+                         backward: str = "chunked") -> tuple[jax.Array, jax.Array | None]:
   """`api.chunk_kda` semantics on the Hopper kernels (bounded gate g >= -5 assumed).
 
   Args:
@@ -561,6 +572,8 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
       the kernel in the Mosaic GPU interpreter (CPU tests).
     block_v: value columns per CTA of the serial kernel, 64 or 32 (more CTAs
       for small B * H); None picks with `pick_block_v`.
+    backward: "chunked" (default: VJP of the chunked JAX tier) or "kernel"
+      (`mosaic_gpu_bwd`: Mosaic GPU state walks plus batched XLA einsums).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -572,11 +585,13 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
     block_v = pick_block_v(q.shape[0], q.shape[2], v.shape[-1])
   if block_v not in (32, 64):
     raise ValueError(f"block_v must be None, 32 or 64, got {block_v!r}")
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   if scale is None:
     scale = q.shape[-1] ** -0.5
   h0 = initial_state
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
   o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids, float(scale), interpret,
-              block_v)
+              block_v, backward)
   return o, (s if output_final_state else None)

@@ -1,0 +1,259 @@
+"""Chunkwise KDA backward: Pallas Mosaic GPU kernels for the serial part (kda.md §2.3).
+
+The backward of `mosaic_gpu.chunk_kda_mosaic_gpu(..., backward="kernel")` for the
+bounded gate g >= -5. The forward splits into a chunk-parallel part and a serial
+walk; with S_n the state entering chunk n (of C = 64 tokens):
+  parts (`chunk_parts`, XLA, batched over chunks, Eqs. 2-7):
+    Q_d = scale q e^G, W = (I + L)^{-1} diag(beta) K e^G, U = (I + L)^{-1} diag(beta) V,
+    K_g = k e^{G_C - G}, A_qk (causal), d = e^{G_C}            (segment masks as chunked.py)
+  serial (Eqs. 8-9):
+    V_new = U - W S_n,  O = Q_d S_n + A_qk V_new,  S_{n+1} = Diag(d) S_n + K_g^T V_new.
+The backward, fla's recompute scheme:
+  1. `states_kernel`: one CTA per (value block, head, batch) walks the chunks in
+     order with S [K, Vblock] in fp32 registers and writes every S_n (fla's h).
+  2. `dstates_kernel`: the same grid walks the chunks in REVERSE with dS =
+     dL/dS_{n+1} [K, Vblock] in fp32 registers:
+       dV_new = A_qk^T dO + K_g dS,
+       dS_n   = Diag(d) dS + Q_d^T dO - W^T dV_new,
+     writing dV_new and every dS; the last dS_0 is d initial_state.
+  3. XLA, batched einsums over chunks (no scan):
+       dQ_d = dO S_n^T, dW = -dV_new S_n^T, dU = dV_new, dA_qk = dO V_new^T,
+       dK_g = V_new dS^T, dd = rowsum(S_n * dS),
+     then the VJP of `chunk_parts` (autodiff of batched einsums, the UT solve
+     and the cumsum: the intra-chunk gradients to dq, dk, dv, dg, dbeta).
+Tensor-core operands are bf16 with fp32 accumulation; the state and its
+gradient stay fp32 in registers (bf16 copies in SMEM as operands). In interpret
+mode the products' initial values are added after the product (see mosaic_gpu).
+Extra memory: S_n and dS, fp32 [B, H, N, K, V] each (fla keeps h too).
+Measured (interpreter, bf16 inputs, B=1, H=2, T in {64, 130}, K=V in {64, 128},
+segments and initial state): relative RMS gradient errors <= 3e-3 against the
+fp64 recurrence. Lowering for CUDA (`jax.export(..., platforms=("cuda",))`)
+succeeds on CPU; the kernels have not yet run on a GPU.
+
+`mosaic_gpu` imports this module and this module imports `mosaic_gpu`: use
+`fwd.` names only inside functions.
+"""
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.kda import chunked
+from pallas_kernels.kda import mosaic_gpu as fwd
+
+_F32 = jnp.float32
+_BF16 = jnp.bfloat16
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def chunk_parts(q, k, v, g, beta, *, scale: float, segment_ids) -> tuple[jax.Array, ...]:
+  """The chunk-parallel part of the forward in fp32 (chunked.py's algebra, gate >= -5).
+
+  Args:
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; segment_ids [B, T] or None.
+
+  Returns:
+    Q_d, W [B, H, N, C, K]; U [B, H, N, C, V]; K_g [B, H, N, C, K];
+    A_qk [B, H, N, C, C]; chunk decay [B, H, N, K]; T zero-padded to N * C.
+  """
+  c = chunked.CHUNK
+  t = q.shape[1]
+  pad = -t % c
+  n = (t + pad) // c
+  qc, kc, vc, gc, bc = (chunked._to_chunks(chunked._pad_time(x.astype(_F32), pad))
+                        for x in (q, k, v, g, beta))
+  G = jnp.cumsum(gc, axis=-2)
+  g_last = G[..., -1, :]
+  pos = jnp.arange(c)
+  rows = jnp.stack([qc * scale, bc[..., None] * kc])
+  a_qk, a_kk = chunked._intra_chunk(rows, kc, G, fwd.GATE_BOUND, _F32)
+  a_qk = jnp.where(pos[:, None] >= pos[None, :], a_qk, 0)
+  a_kk = jnp.where(pos[:, None] > pos[None, :], a_kk, 0)
+  k_decayed = bc[..., None] * kc * jnp.exp(G)
+  q_decayed = qc * scale * jnp.exp(G)
+  k_to_end = kc * jnp.exp(g_last[..., None, :] - G)
+  decay = jnp.exp(g_last)
+  if segment_ids is not None:
+    same, first, last, whole = chunked._segment_masks(
+        chunked._pad_time(segment_ids, pad, "edge"), n)
+    a_qk = jnp.where(same, a_qk, 0)
+    a_kk = jnp.where(same, a_kk, 0)
+    k_decayed = jnp.where(first[..., None], k_decayed, 0)
+    q_decayed = jnp.where(first[..., None], q_decayed, 0)
+    k_to_end = jnp.where(last[..., None], k_to_end, 0)
+    decay = jnp.where(whole[..., None], decay, 0)
+  dk = q.shape[-1]
+  wu = chunked._ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1))
+  return q_decayed, wu[..., :dk], wu[..., dk:], k_to_end, a_qk, decay
+
+
+def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
+                 wn_s, u_s, kg_s, dec_s, s_s, x_s, bars):
+  """Forward walk for one (value block, head, batch): writes S_n entering each chunk."""
+  c, kd, bv = fwd.CHUNK, cfg.key_dim, cfg.block_v
+  vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+  vcols = pl.ds(vt * bv, bv)
+  mma = fwd._Mma(cfg, ())
+
+  def fetch(n, slot):
+    tok = pl.ds(n * c, c)
+    bar = bars.at[slot]
+    plgpu.copy_gmem_to_smem(wn_ref.at[b, h, tok], wn_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(u_ref.at[b, h, tok, vcols], u_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kg_ref.at[b, h, tok], kg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dec_ref.at[b, h, n], dec_s.at[slot], bar)
+
+  s0 = fwd._load(h0_ref.at[b, h, :, vcols])
+  s_s[...] = s0.astype(_BF16)
+  fetch(0, 0)
+
+  def step(n, s):
+    slot = lax.rem(n, 2)
+    plgpu.commit_smem()               # this thread's reads of the other slot are done
+
+    @pl.when(n + 1 < cfg.num_chunks)
+    def _():
+      fetch(n + 1, 1 - slot)
+
+    plgpu.barrier_wait(bars.at[slot])
+    h_ref.at[b, h, n, :, vcols][...] = s
+    x = mma.product((c, bv), [(wn_s.at[slot], s_s)], fwd._load(u_s.at[slot]))   # V_new
+    x_s[...] = x.astype(_BF16)
+    plgpu.commit_smem()
+    decay = fwd._rows(fwd._load(dec_s.at[slot], fwd._ROW), (kd, bv))
+    s = mma.product((kd, bv), [(kg_s.at[slot].T, x_s)], decay * s)
+    s_s[...] = s.astype(_BF16)
+    return s
+
+  lax.fori_loop(0, cfg.num_chunks, step, s0)
+
+
+def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref,
+                  dvn_ref, ds_ref, dh0_ref,
+                  qd_s, wn_s, kg_s, aqk_s, dec_s, do_s, ds_s, dvn_s, bars):
+  """Reverse walk for one (value block, head, batch): dV_new and dS per chunk, dS_0."""
+  c, kd, bv, nc = fwd.CHUNK, cfg.key_dim, cfg.block_v, cfg.num_chunks
+  vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+  vcols = pl.ds(vt * bv, bv)
+  mma = fwd._Mma(cfg, ())
+
+  def fetch(n, slot):
+    tok = pl.ds(n * c, c)
+    bar = bars.at[slot]
+    plgpu.copy_gmem_to_smem(qd_ref.at[b, h, tok], qd_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(wn_ref.at[b, h, tok], wn_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(kg_ref.at[b, h, tok], kg_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(aqk_ref.at[b, h, tok], aqk_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(dec_ref.at[b, h, n], dec_s.at[slot], bar)
+    plgpu.copy_gmem_to_smem(do_ref.at[b, tok, h, vcols], do_s.at[slot], bar)
+
+  ds0 = fwd._load(dsf_ref.at[b, h, :, vcols])
+  ds_s[...] = ds0.astype(_BF16)
+  fetch(nc - 1, 0)
+
+  def step(i, ds):
+    n, slot = nc - 1 - i, lax.rem(i, 2)
+    plgpu.commit_smem()
+
+    @pl.when(i + 1 < nc)
+    def _():
+      fetch(n - 1, 1 - slot)
+
+    plgpu.barrier_wait(bars.at[slot])
+    ds_ref.at[b, h, n, :, vcols][...] = ds
+    decay = fwd._rows(fwd._load(dec_s.at[slot], fwd._ROW), (kd, bv))
+    do = do_s.at[slot]
+    dvn, part = mma.products(
+        ((c, bv), [(aqk_s.at[slot].T, do), (kg_s.at[slot], ds_s)], None),
+        ((kd, bv), [(qd_s.at[slot].T, do)], decay * ds))
+    dvn_ref.at[b, h, pl.ds(n * c, c), vcols][...] = dvn
+    dvn_s[...] = dvn.astype(_BF16)
+    plgpu.commit_smem()
+    ds = mma.product((kd, bv), [(wn_s.at[slot].T, dvn_s)], part)
+    ds_s[...] = ds.astype(_BF16)
+    return ds
+
+  ds = lax.fori_loop(0, nc, step, ds0)
+  dh0_ref.at[b, h, :, vcols][...] = ds
+
+
+def states_kernel(wn, u, kg, dec, h0, cfg, interpret) -> jax.Array:
+  """Kernel 1 of the backward: S_n [B, H, N, K, V] fp32 entering every chunk.
+
+  wn = -W, kg bf16 [B, H, T, K]; u fp32 [B, H, T, V]; dec [B, H, N, K]; h0 [B, H, K, V].
+  """
+  b, h, _, dv = u.shape
+  kd, c, bv = cfg.key_dim, fwd.CHUNK, cfg.block_v
+  call = plgpu.kernel(
+      functools.partial(_states_body, cfg),
+      out_type=jax.ShapeDtypeStruct((b, h, cfg.num_chunks, kd, dv), _F32),
+      scratch_types=[
+          fwd._operand((2, c, kd)), plgpu.SMEM((2, c, bv), _F32), fwd._operand((2, c, kd)),
+          plgpu.SMEM((2, kd), _F32), fwd._operand((kd, bv)), fwd._operand((c, bv)),
+          plgpu.Barrier(num_arrivals=4, num_barriers=2)],
+      grid=(dv // bv, h, b), grid_names=("v", "h", "b"),
+      compiler_params=fwd._PARAMS, interpret=interpret, kernel_name="kda_states_mosaic_gpu")
+  return call(wn, u, kg, dec, h0)
+
+
+def dstates_kernel(qd, wn, kg, aqk, dec, do, dsf, cfg, interpret):
+  """Kernel 2 of the backward: (dV_new [B, H, T, V], dS [B, H, N, K, V], dS_0 [B, H, K, V]).
+
+  qd, wn = -W, kg bf16 [B, H, T, K]; aqk bf16 [B, H, T, C]; dec [B, H, N, K];
+  do bf16 [B, T, H, V]; dsf = dL/d(final state) fp32 [B, H, K, V]. dS[n] is dL/dS_{n+1}.
+  """
+  b, t, h, dv = do.shape
+  kd, c, bv = cfg.key_dim, fwd.CHUNK, cfg.block_v
+  call = plgpu.kernel(
+      functools.partial(_dstates_body, cfg),
+      out_type=(jax.ShapeDtypeStruct((b, h, t, dv), _F32),
+                jax.ShapeDtypeStruct((b, h, cfg.num_chunks, kd, dv), _F32),
+                jax.ShapeDtypeStruct((b, h, kd, dv), _F32)),
+      scratch_types=[
+          fwd._operand((2, c, kd)), fwd._operand((2, c, kd)), fwd._operand((2, c, kd)),
+          fwd._operand((2, c, c)), plgpu.SMEM((2, kd), _F32), fwd._operand((2, c, bv)),
+          fwd._operand((kd, bv)), fwd._operand((c, bv)),
+          plgpu.Barrier(num_arrivals=6, num_barriers=2)],
+      grid=(dv // bv, h, b), grid_names=("v", "h", "b"),
+      compiler_params=fwd._PARAMS, interpret=interpret, kernel_name="kda_dstates_mosaic_gpu")
+  return call(qd, wn, kg, aqk, dec, do, dsf)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v"))
+def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, interpret,
+             block_v: int) -> tuple[jax.Array, ...]:
+  """Gradients (dq, dk, dv, dg, dbeta, dh0) of (o, final state) given their cotangents.
+
+  Args:
+    q, k, v, g, beta, segment_ids: the forward's inputs (fla layouts); h0 [B, H, K, V] fp32.
+    d_o [B, T, H, V]; d_final [B, H, K, V].
+    scale, interpret, block_v: as in `mosaic_gpu.forward`.
+  """
+  cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
+  parts, parts_vjp = jax.vjp(
+      functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids), q, k, v, g, beta)
+  qd, w, u, kg, aqk, dec = parts
+  b, h, n, c, _ = qd.shape
+
+  def tokens(x, dtype):
+    return x.reshape(b, h, n * c, x.shape[-1]).astype(dtype)
+
+  wn = tokens(-w, _BF16)
+  kg_b = tokens(kg, _BF16)
+  s_in = states_kernel(wn, tokens(u, _F32), kg_b, dec, h0, cfg, interp)
+  do_p = chunked._pad_time(d_o.astype(_BF16), n * c - q.shape[1])
+  dvn, ds, dh0 = dstates_kernel(tokens(qd, _BF16), wn, kg_b, tokens(aqk, _BF16), dec, do_p,
+                                d_final.astype(_F32), cfg, interp)
+  dvn = dvn.reshape(b, h, n, c, -1)
+  doc = chunked._to_chunks(do_p.astype(_F32))
+  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=_HIGHEST)
+  d_parts = (jnp.einsum("bhncv,bhnkv->bhnck", doc, s_in, precision=_HIGHEST),
+             -jnp.einsum("bhncv,bhnkv->bhnck", dvn, s_in, precision=_HIGHEST),
+             dvn,
+             jnp.einsum("bhncv,bhnkv->bhnck", v_new, ds, precision=_HIGHEST),
+             jnp.einsum("bhncv,bhnjv->bhncj", doc, v_new, precision=_HIGHEST),
+             jnp.sum(s_in * ds, axis=-1))
+  return (*parts_vjp(d_parts), dh0.astype(h0.dtype))

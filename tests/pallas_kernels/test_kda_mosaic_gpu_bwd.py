@@ -1,0 +1,91 @@
+"""Mosaic GPU KDA backward (backward="kernel") vs autodiff of the fp64 recurrence.
+
+On CPU the kernels run in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
+With K3JAX_KDA_TEST_ON_DEVICE=1 they are compiled for the (Hopper) GPU instead
+and larger shapes are added.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import mosaic_gpu
+from pallas_kernels.kda import reference
+
+ON_DEVICE = os.environ.get("K3JAX_KDA_TEST_ON_DEVICE") == "1"
+INTERPRET = not ON_DEVICE
+NAMES = ("q", "k", "v", "g", "beta")
+# fla's bf16 gradient bounds (kda.md): 8e-3 for dq, dk, dv, dh0 and 2e-2 for dg, dbeta.
+TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3, "g": 2e-2, "beta": 2e-2}
+
+if ON_DEVICE and not any(d.platform == "gpu" for d in jax.devices()):
+  pytest.skip("K3JAX_KDA_TEST_ON_DEVICE=1 needs a GPU", allow_module_level=True)
+
+
+def rel_err(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def segments(t: int, b: int) -> jax.Array:
+  """Boundaries inside chunk 0 (token 40) and on the chunk start 64; the rest one document."""
+  row = np.concatenate([np.full(40, 1), np.full(24, 2), np.full(t - 64, 3)])
+  return jnp.asarray(np.tile(row, (b, 1)).astype(np.int32))
+
+
+def fp64_grads(x: dict, segment_ids, cot) -> dict:
+  """Gradients of <o, cot_o> + <S_T, cot_S> through the fp64 token recurrence."""
+  with jax.enable_x64(True):
+    args = {n: jnp.asarray(np.asarray(x[n], np.float32), jnp.float64) for n in (*NAMES, "h0")}
+
+    def f(a):
+      return reference.recurrent_kda(*(a[n] for n in NAMES), scale=x["q"].shape[-1] ** -0.5,
+                                     initial_state=a["h0"], segment_ids=segment_ids)
+
+    _, vjp = jax.vjp(f, args)
+    return jax.device_get(vjp(tuple(jnp.asarray(np.asarray(c, np.float32), jnp.float64)
+                                    for c in cot))[0])
+
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+CASES = [
+    (1, 64, 2, 64, 64, False, 64, BF16),     # one chunk, no segments
+    (1, 130, 2, 128, 128, True, 64, BF16),   # padded T, segments, 2 value blocks, K = 128
+    (1, 130, 2, 64, 128, True, 32, F32),     # fp32 inputs, K != V, 4 value blocks of 32
+]
+if ON_DEVICE:
+  CASES += [(2, 1000, 4, 128, 128, True, 64, BF16), (1, 4096, 2, 128, 64, False, 32, BF16)]
+
+
+@pytest.mark.parametrize("b, t, h, dk, dv, with_segments, block_v, dtype", CASES)
+def test_kernel_backward_matches_fp64(b, t, h, dk, dv, with_segments, block_v, dtype):
+  x = reference.example_inputs(jax.random.key(t + dk + dv), b, t, h, dk, dv, gate="bounded",
+                               with_initial_state=True)
+  x = {n: (a.astype(dtype) if n in ("q", "k", "v") else a) for n, a in x.items()}
+  sid = segments(t, b) if with_segments else None
+  rng = np.random.default_rng(t)
+  cot = (jnp.asarray(rng.standard_normal((b, t, h, dv)), dtype),
+         jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32))
+
+  def f(a):
+    return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
+                                           output_final_state=True, segment_ids=sid,
+                                           interpret=INTERPRET, block_v=block_v,
+                                           backward="kernel")
+
+  _, vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
+  grads = vjp(cot)[0]
+  ref = fp64_grads(x, sid, cot)
+  for name in (*NAMES, "h0"):
+    assert grads[name].shape == x[name].shape and grads[name].dtype == x[name].dtype, name
+    assert np.isfinite(np.asarray(grads[name], np.float32)).all(), name
+    assert rel_err(grads[name], ref[name]) < TOL[name], name
+
+
+def test_backward_argument_is_checked():
+  x = reference.example_inputs(jax.random.key(0), 1, 8, 1, 64, 64, gate="bounded",
+                               with_initial_state=False)
+  with pytest.raises(ValueError, match="backward"):
+    mosaic_gpu.chunk_kda_mosaic_gpu(*(x[n] for n in NAMES), interpret=True, backward="scan")
