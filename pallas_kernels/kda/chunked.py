@@ -162,6 +162,48 @@ def _ut_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
   return x
 
 
+def chunk_parts(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                scale: float, segment_ids: jax.Array | None, gate_bound: float | None,
+                dt) -> tuple[jax.Array, ...]:
+  """The chunk-parallel half of chunkwise KDA (report Eqs. 2-7), no scan, in `dt`.
+
+  Args:
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; segment_ids [B, T] or None.
+
+  Returns:
+    Q_d, W [B, H, N, C, K]; U [B, H, N, C, V]; K_g [B, H, N, C, K]; A_qk [B, H, N, C, C];
+    chunk decay [B, H, N, K]; T zero-padded to N * C. Segment masks are already applied.
+  """
+  t, dk = q.shape[1], q.shape[-1]
+  pad = -t % CHUNK
+  n = (t + pad) // CHUNK
+  qc, kc, vc, gc, bc = (_to_chunks(_pad_time(x.astype(dt), pad)) for x in (q, k, v, g, beta))
+  if gate_bound is None:
+    gc = jnp.maximum(gc, LOG_DECAY_FLOOR)
+  G = jnp.cumsum(gc, axis=-2)                                          # [B, H, N, C, K]
+  g_last = G[..., -1, :]                                               # [B, H, N, K]
+
+  pos = jnp.arange(CHUNK)
+  rows = jnp.stack([qc * scale, bc[..., None] * kc])
+  a_qk, a_kk = _intra_chunk(rows, kc, G, gate_bound, dt)
+  a_qk = jnp.where(pos[:, None] >= pos[None, :], a_qk, 0)
+  a_kk = jnp.where(pos[:, None] > pos[None, :], a_kk, 0)
+  k_decayed = bc[..., None] * kc * jnp.exp(G)
+  q_decayed = qc * scale * jnp.exp(G)
+  k_to_end = kc * jnp.exp(g_last[..., None, :] - G)
+  chunk_decay = jnp.exp(g_last)
+  if segment_ids is not None:
+    same, first, last, whole = _segment_masks(_pad_time(segment_ids, pad, "edge"), n)
+    a_qk = jnp.where(same, a_qk, 0)
+    a_kk = jnp.where(same, a_kk, 0)
+    k_decayed = jnp.where(first[..., None], k_decayed, 0)
+    q_decayed = jnp.where(first[..., None], q_decayed, 0)
+    k_to_end = jnp.where(last[..., None], k_to_end, 0)
+    chunk_decay = jnp.where(whole[..., None], chunk_decay, 0)
+  wu = _ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1))
+  return q_decayed, wu[..., :dk], wu[..., dk:], k_to_end, a_qk, chunk_decay
+
+
 def chunk_kda(
     q: jax.Array,
     k: jax.Array,
@@ -190,33 +232,9 @@ def chunk_kda(
   dt = reference.compute_dtype(q, k, v, g, beta, initial_state)
   b, t, h, dk = q.shape
   dv = v.shape[-1]
-  pad = -t % CHUNK
-  n = (t + pad) // CHUNK
-  qc, kc, vc, gc, bc = (_to_chunks(_pad_time(x.astype(dt), pad)) for x in (q, k, v, g, beta))
-  if gate_bound is None:
-    gc = jnp.maximum(gc, LOG_DECAY_FLOOR)
-  G = jnp.cumsum(gc, axis=-2)                                          # [B, H, N, C, K]
-  g_last = G[..., -1, :]                                               # [B, H, N, K]
-
-  pos = jnp.arange(CHUNK)
-  rows = jnp.stack([qc * scale, bc[..., None] * kc])
-  a_qk, a_kk = _intra_chunk(rows, kc, G, gate_bound, dt)
-  a_qk = jnp.where(pos[:, None] >= pos[None, :], a_qk, 0)
-  a_kk = jnp.where(pos[:, None] > pos[None, :], a_kk, 0)
-  k_decayed = bc[..., None] * kc * jnp.exp(G)
-  q_decayed = qc * scale * jnp.exp(G)
-  k_to_end = kc * jnp.exp(g_last[..., None, :] - G)
-  chunk_decay = jnp.exp(g_last)
-  if segment_ids is not None:
-    same, first, last, whole = _segment_masks(_pad_time(segment_ids, pad, "edge"), n)
-    a_qk = jnp.where(same, a_qk, 0)
-    a_kk = jnp.where(same, a_kk, 0)
-    k_decayed = jnp.where(first[..., None], k_decayed, 0)
-    q_decayed = jnp.where(first[..., None], q_decayed, 0)
-    k_to_end = jnp.where(last[..., None], k_to_end, 0)
-    chunk_decay = jnp.where(whole[..., None], chunk_decay, 0)
-  wu = _ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1))
-  w, u = wu[..., :dk], wu[..., dk:]
+  n = -(-t // CHUNK)
+  q_decayed, w, u, k_to_end, a_qk, chunk_decay = chunk_parts(
+      q, k, v, g, beta, scale=scale, segment_ids=segment_ids, gate_bound=gate_bound, dt=dt)
 
   if initial_state is None:
     s0 = jnp.zeros((b, h, dk, dv), dt)

@@ -50,44 +50,9 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def chunk_parts(q, k, v, g, beta, *, scale: float, segment_ids) -> tuple[jax.Array, ...]:
-  """The chunk-parallel part of the forward in fp32 (chunked.py's algebra, gate >= -5).
-
-  Args:
-    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; segment_ids [B, T] or None.
-
-  Returns:
-    Q_d, W [B, H, N, C, K]; U [B, H, N, C, V]; K_g [B, H, N, C, K];
-    A_qk [B, H, N, C, C]; chunk decay [B, H, N, K]; T zero-padded to N * C.
-  """
-  c = chunked.CHUNK
-  t = q.shape[1]
-  pad = -t % c
-  n = (t + pad) // c
-  qc, kc, vc, gc, bc = (chunked._to_chunks(chunked._pad_time(x.astype(_F32), pad))
-                        for x in (q, k, v, g, beta))
-  G = jnp.cumsum(gc, axis=-2)
-  g_last = G[..., -1, :]
-  pos = jnp.arange(c)
-  rows = jnp.stack([qc * scale, bc[..., None] * kc])
-  a_qk, a_kk = chunked._intra_chunk(rows, kc, G, fwd.GATE_BOUND, _F32)
-  a_qk = jnp.where(pos[:, None] >= pos[None, :], a_qk, 0)
-  a_kk = jnp.where(pos[:, None] > pos[None, :], a_kk, 0)
-  k_decayed = bc[..., None] * kc * jnp.exp(G)
-  q_decayed = qc * scale * jnp.exp(G)
-  k_to_end = kc * jnp.exp(g_last[..., None, :] - G)
-  decay = jnp.exp(g_last)
-  if segment_ids is not None:
-    same, first, last, whole = chunked._segment_masks(
-        chunked._pad_time(segment_ids, pad, "edge"), n)
-    a_qk = jnp.where(same, a_qk, 0)
-    a_kk = jnp.where(same, a_kk, 0)
-    k_decayed = jnp.where(first[..., None], k_decayed, 0)
-    q_decayed = jnp.where(first[..., None], q_decayed, 0)
-    k_to_end = jnp.where(last[..., None], k_to_end, 0)
-    decay = jnp.where(whole[..., None], decay, 0)
-  dk = q.shape[-1]
-  wu = chunked._ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1))
-  return q_decayed, wu[..., :dk], wu[..., dk:], k_to_end, a_qk, decay
+  """The chunk-parallel part of the forward in fp32 (`chunked.chunk_parts`, gate >= -5)."""
+  return chunked.chunk_parts(q, k, v, g, beta, scale=scale, segment_ids=segment_ids,
+                             gate_bound=fwd.GATE_BOUND, dt=_F32)
 
 
 def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
