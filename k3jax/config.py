@@ -157,14 +157,30 @@ def dtype(name: str):
 
 
 def from_json(text: str) -> ml_collections.ConfigDict:
-  """A config saved by training (`WORKDIR/config.json`), with lists turned back into tuples."""
+  """A config saved by training (`WORKDIR/config.json`), lists turned back into tuples.
+
+  Fields added to the schema after the config was saved take their defaults; unknown fields
+  are still rejected.
+  """
   def tuples(x):
     if isinstance(x, dict):
       return {k: tuples(v) for k, v in x.items()}
     if isinstance(x, list):
       return tuple(tuples(v) for v in x)
     return x
-  return validate(ml_collections.ConfigDict(tuples(json.loads(text))))
+
+  def merge(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:
+    for key, value in values.items():
+      if key not in node:
+        raise ConfigError(f"{prefix}{key}", f"unknown key; allowed keys here: {sorted(node.keys())}")
+      if isinstance(node[key], ml_collections.ConfigDict):
+        merge(node[key], value, f"{prefix}{key}.")
+      else:
+        node[key] = value
+
+  cfg = base.get_base_config()
+  merge(cfg, tuples(json.loads(text)), "")
+  return validate(cfg)
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> ml_collections.ConfigDict:

@@ -1,4 +1,6 @@
 """Config validation: every named config loads; bad fields fail with the field named."""
+import json
+
 import pytest
 
 from k3jax import config
@@ -69,3 +71,14 @@ def test_json_round_trip():
   cfg = config.load("experiments/configs/k3_full.py")
   again = config.from_json(cfg.to_json())
   assert again == cfg
+
+
+def test_json_from_an_older_schema_takes_defaults_and_rejects_unknown_keys():
+  cfg = config.load("experiments/configs/k3_tiny.py")
+  saved = json.loads(cfg.to_json())
+  del saved["train"]["grad_accum_steps"]
+  again = config.from_json(json.dumps(saved))
+  assert again.train.grad_accum_steps == 1 and again.model.hidden_size == cfg.model.hidden_size
+  saved["model"]["bogus"] = 1
+  with pytest.raises(config.ConfigError, match="model.bogus"):
+    config.from_json(json.dumps(saved))

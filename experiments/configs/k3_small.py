@@ -1,4 +1,4 @@
-"""A K3-shaped model for one H200 (~1.9B total, ~0.5B active), room for long sequences."""
+"""A K3-shaped model for one H200 (1.0B total, 0.36B active parameters), T = 8192."""
 from experiments.configs import base
 
 
