@@ -20,6 +20,7 @@ implementation is printed and recorded with "error"; the others still run.
 """
 import argparse
 import dataclasses
+import functools
 import datetime
 import json
 import os
@@ -266,12 +267,14 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
     dot = jax.jit(jnp.dot)
     shape = dict(M=size, K=size, N=size)
-    rec.measure("dense_matmul", "xla", "fwd", shape, 2 * size ** 3, lambda: time_jax(dot, a, b))
+    rec.measure("dense_matmul", "xla", "fwd", shape, 2 * size ** 3,
+                functools.partial(time_jax, dot, a, b))
 
-    def torch_dense():
+    def torch_dense(a, b):
       ta, tb = torch_from_jax(a), torch_from_jax(b)
       return time_torch(lambda: ta @ tb)
-    rec.measure("dense_matmul", "torch", "fwd", shape, 2 * size ** 3, torch_dense)
+    rec.measure("dense_matmul", "torch", "fwd", shape, 2 * size ** 3,
+                functools.partial(torch_dense, a, b))
     del a, b
 
   for g, m, k, n in shapes:
@@ -288,20 +291,20 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
       cfg = {}
       if name.startswith("k3jax"):
         cfg = dict(configs=configs if name == "k3jax_mosaic_gpu" else "cluster_n=2")
-      rec.measure("moe_gmm", name, "fwd", shape, flops, lambda: time_jax(fwd, x, w, gs),
+      rec.measure("moe_gmm", name, "fwd", shape, flops, functools.partial(time_jax, fwd, x, w, gs),
                   **extra, **cfg)
       rec.measure("moe_gmm", name, "fwd+bwd", shape, 3 * flops,
-                  lambda: time_jax(fwd_bwd, x, w, d_out, gs), **extra, **cfg)
+                  functools.partial(time_jax, fwd_bwd, x, w, d_out, gs), **extra, **cfg)
 
     d_lhs = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True))
     d_rhs = jax.jit(mosaic_gpu.tgmm)
     rec.measure("moe_gmm_d_lhs", "k3jax_mosaic_gpu", "fwd", shape, flops,
-                lambda: time_jax(d_lhs, d_out, w, gs), config=configs["d_lhs"], **extra)
+                functools.partial(time_jax, d_lhs, d_out, w, gs), config=configs["d_lhs"], **extra)
     rec.measure("moe_gmm_d_rhs", "k3jax_mosaic_gpu", "fwd", shape, flops,
-                lambda: time_jax(d_rhs, x, d_out, gs), config=configs["d_rhs"], **extra)
+                functools.partial(time_jax, d_rhs, x, d_out, gs), config=configs["d_rhs"], **extra)
     dense = jax.jit(lambda a, b: jnp.dot(a, b[0]))
     rec.measure("dense_matmul_same_flops", "xla", "fwd", shape, flops,
-                lambda: time_jax(dense, x, w), **extra)
+                functools.partial(time_jax, dense, x, w), **extra)
 
     try:
       t_fwd, t_fwd_bwd, note = torch_grouped_mm_fns(x, w, d_out, sizes)
