@@ -20,10 +20,11 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import chunked, mosaic_gpu, mosaic_tpu
+from pallas_kernels.kda import chunked, mosaic_gpu, mosaic_tpu, recurrent_decode
 from pallas_kernels.kda import reference
 
 IMPLS = ("reference", "chunked", "mosaic_gpu", "mosaic_tpu")
+RECURRENT_IMPLS = ("reference", "mosaic_gpu")
 
 # Kernel tiers: (supports(...) -> reason or None, kernel). A kernel joins `impl=None` on a
 # platform only after its tests pass there: mosaic_gpu passed on the H200 (sm_90); mosaic_tpu
@@ -147,13 +148,28 @@ def fused_recurrent_kda(
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
     segment_ids: jax.Array | None = None,
+    impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Token-by-token KDA for decode (T = 1); arguments as in `chunk_kda`.
+
+  impl: None or "reference" (the token-by-token `lax.scan`), or "mosaic_gpu"
+  (`recurrent_decode`, Hopper; used only when named: it has not run on a GPU yet). A kernel
+  that cannot take the call raises ValueError with the reason.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] or None).
   """
   scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
+  if impl is not None and impl not in RECURRENT_IMPLS:
+    raise ValueError(f"impl must be None or one of {RECURRENT_IMPLS}, got {impl!r}")
+  if impl == "mosaic_gpu":
+    reason = recurrent_decode.supports(q, k, v, g, beta, initial_state=initial_state,
+                                       segment_ids=segment_ids)
+    if reason is not None:
+      raise ValueError(f"impl='mosaic_gpu' cannot run this call: {reason}")
+    return recurrent_decode.fused_recurrent_kda_mosaic_gpu(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state)
   o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
                                  initial_state=initial_state, segment_ids=segment_ids)
   return o, (s if output_final_state else None)

@@ -133,3 +133,13 @@ def test_default_tier_on_this_platform_is_the_chunked_one():
   a, _ = api.chunk_kda(x, x, x, g, beta)
   b, _ = api.chunk_kda(x, x, x, g, beta, impl="chunked")
   assert jnp.array_equal(a, b)
+
+
+def test_recurrent_impls_are_checked():
+  q = jnp.ones((1, 1, 1, 64), jnp.float32) / 8.0
+  beta = jnp.full((1, 1, 1), 0.5, jnp.float32)
+  with pytest.raises(ValueError, match="impl must be None or one of"):
+    api.fused_recurrent_kda(q, q, q, -q, beta, impl="chunked")
+  seg = jnp.ones((1, 1), jnp.int32)
+  with pytest.raises(ValueError, match="impl='mosaic_gpu' cannot run this call"):
+    api.fused_recurrent_kda(q, q, q, -q, beta, segment_ids=seg, impl="mosaic_gpu")

@@ -1,0 +1,147 @@
+"""Token-by-token KDA for batched decoding as a Pallas Mosaic GPU kernel (Hopper).
+
+Same contract as `api.fused_recurrent_kda` (fla layouts, see api.py) without
+`segment_ids`; `supports` says when. fla-core 0.6.0 `naive_recurrent_kda`
+(Kimi Linear report Eq. 1), per head with state S [K, V] and q <- q * scale:
+  S <- S * exp(g_t)[:, None];  S <- S + (beta_t k_t) outer (v_t - S^T k_t);  o_t = S^T q_t.
+
+One CTA (one warpgroup) per (value block of 64 columns, head, batch). It loads
+the [T, K] rows of q * scale, k, beta * k, exp(g) and the [T, 64] rows of v by
+TMA, its state block S [K, 64] from HBM into fp32 registers (WGMMA layout),
+walks the T tokens with elementwise fp32 updates and column reductions (no
+tensor cores: one token is a rank-1 update), writes each o_t [64] to HBM and
+the new state block at the end. The per-token prefactors (scale, beta, exp)
+are computed by XLA in fp32 before the kernel. The final state is a separate
+output (`plgpu.kernel` takes no input/output aliases).
+Tested in the Mosaic GPU interpreter against the fp64 recurrence (relative RMS
+<= 3e-7 with fp32 inputs) and lowered for CUDA on CPU; it has not run on a GPU.
+"""
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+HEAD_DIMS = (64, 128)
+BLOCK_V = 64        # value columns per CTA
+MAX_TOKENS = 64     # inputs of T tokens are staged whole in SMEM (4 [T, K] + 1 [T, 64] fp32)
+MAX_GRID = 65535    # CUDA's limit on the grid's y and z extents
+
+_WG = plgpu.Layout.WGMMA
+_ROW = _WG.reduce(1)       # one value per row (key channel) of the [K, 64] state block
+_COL = _WG.reduce(0)       # one value per column (value channel)
+_F32 = jnp.float32
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def supports(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+             segment_ids=None) -> str | None:
+  """None if the kernel handles the call, else why not."""
+  del scale, output_final_state
+  if segment_ids is not None:
+    return "does not take segment_ids (a decode step that starts a document passes a zero state)"
+  if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
+    return f"needs K, V in {HEAD_DIMS}, got K={q.shape[-1]}, V={v.shape[-1]}"
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+  for name, x in arrays.items():
+    if x is not None and jnp.dtype(x.dtype) not in _DTYPES:
+      return f"needs bfloat16 or float32 inputs, got {name} of dtype {x.dtype}"
+  b, t, h = q.shape[:3]
+  if t > MAX_TOKENS:
+    return f"needs T <= {MAX_TOKENS} (decode steps), got T={t}; use chunk_kda"
+  if max(b, h) > MAX_GRID:
+    return f"needs B, H <= {MAX_GRID} (CUDA grid), got B={b}, H={h}"
+  return None
+
+
+def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, h0_ref, o_ref, s_ref,
+          q_s, k_s, kb_s, dec_s, v_s, bar):
+  """The recurrence for one (value block, head, batch) over the call's tokens."""
+  vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+  vcols = pl.ds(vt * BLOCK_V, BLOCK_V)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, bar)
+  plgpu.copy_gmem_to_smem(k_ref.at[b, h], k_s, bar)
+  plgpu.copy_gmem_to_smem(kb_ref.at[b, h], kb_s, bar)
+  plgpu.copy_gmem_to_smem(dec_ref.at[b, h], dec_s, bar)
+  plgpu.copy_gmem_to_smem(v_ref.at[b, h, :, vcols], v_s, bar)
+  s0 = plgpu.load(h0_ref.at[b, h, :, vcols], layout=_WG, optimized=False)
+  shape = s0.shape
+  plgpu.barrier_wait(bar)
+
+  def rows(ref, t):
+    """Row t of a [T, K] SMEM ref as a per-key-channel column of a [K, 64] array."""
+    return lax.broadcast_in_dim(plgpu.load(ref.at[t], layout=_ROW, optimized=False),
+                                shape, [0])
+
+  def step(t, s):
+    s = s * rows(dec_s, t)
+    pred = jnp.sum(s * rows(k_s, t), axis=0)
+    u = plgpu.load(v_s.at[t], layout=_COL, optimized=False) - pred
+    s = s + rows(kb_s, t) * lax.broadcast_in_dim(u, shape, [1])
+    o_ref.at[b, h, t, vcols][...] = jnp.sum(s * rows(q_s, t), axis=0)
+    return s
+
+  s_ref.at[b, h, :, vcols][...] = lax.fori_loop(0, num_tokens, step, s0)
+
+
+def _kernel(qs, k, kb, dec, v, h0, interpret):
+  """o [B, H, T, V] and the final state [B, H, K, V], fp32, from [B, H, T, .] fp32 rows."""
+  b, h, t, dk = k.shape
+  dv = v.shape[-1]
+  call = plgpu.kernel(
+      functools.partial(_body, t),
+      out_type=(jax.ShapeDtypeStruct((b, h, t, dv), _F32),
+                jax.ShapeDtypeStruct((b, h, dk, dv), _F32)),
+      scratch_types=[plgpu.SMEM((t, dk), _F32), plgpu.SMEM((t, dk), _F32),
+                     plgpu.SMEM((t, dk), _F32), plgpu.SMEM((t, dk), _F32),
+                     plgpu.SMEM((t, BLOCK_V), _F32), plgpu.Barrier(num_arrivals=5)],
+      grid=(dv // BLOCK_V, h, b), grid_names=("v", "h", "b"),
+      compiler_params=_PARAMS, interpret=interpret, kernel_name="kda_recurrent_decode")
+  return call(qs, k, kb, dec, v, h0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _forward(q, k, v, g, beta, h0, *, scale: float, interpret):
+  """XLA prefactors in fp32, token-major rows [B, H, T, .], the kernel, back to fla layouts."""
+
+  def heads_first(x):
+    return jnp.swapaxes(x.astype(_F32), 1, 2)
+
+  kf = heads_first(k)
+  kb = kf * heads_first(beta)[..., None]
+  o, s = _kernel(heads_first(q) * scale, kf, kb, jnp.exp(heads_first(g)), heads_first(v),
+                 h0.astype(_F32), interpret)
+  return jnp.swapaxes(o, 1, 2).astype(q.dtype), s
+
+
+def fused_recurrent_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
+                                   initial_state: jax.Array | None = None,
+                                   output_final_state: bool = False,
+                                   interpret=False) -> tuple[jax.Array, jax.Array | None]:
+  """`api.fused_recurrent_kda` semantics (no segment_ids) on the Hopper decode kernel.
+
+  Args:
+    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] natural-log decay (<= 0);
+      beta [B, T, H]; initial_state [B, H, K, V] or None (zeros).
+    scale: multiplies q; defaults to K**-0.5.
+    interpret: False on a Hopper GPU; True or a `plgpu.InterpretGPUParams` to run
+      the kernel in the Mosaic GPU interpreter (CPU tests).
+
+  Returns:
+    (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
+  """
+  reason = supports(q, k, v, g, beta, initial_state=initial_state)
+  if reason is not None:
+    raise ValueError(f"fused_recurrent_kda_mosaic_gpu: {reason}")
+  if scale is None:
+    scale = q.shape[-1] ** -0.5
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  h0 = initial_state
+  if h0 is None:
+    h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
+  o, s = _forward(q, k, v, g, beta, h0, scale=float(scale), interpret=interpret or None)
+  return o, (s if output_final_state else None)
