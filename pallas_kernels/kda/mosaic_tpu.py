@@ -29,9 +29,21 @@ Precision: the decay matmuls and the solve run in fp32 (HIGHEST); the state
 matmuls take operands in the input dtype (bf16 inputs: bf16 operands, fp32
 accumulation).
 
-Backward: NOT a kernel. `chunk_kda_mosaic_tpu` is a `jax.custom_vjp` whose
-backward is the VJP of the chunked JAX tier (`chunked.chunk_kda`, gate_bound
+Backward: `chunk_kda_mosaic_tpu` is a `jax.custom_vjp`. backward="chunked"
+(default) is the VJP of the chunked JAX tier (`chunked.chunk_kda`, gate_bound
 -5), which recomputes its own per-chunk states; gradients are exact (fp32).
+backward="kernel" (`backward`, fla's recompute scheme, as `mosaic_gpu_bwd`), in
+fp32 on 64-token chunks of `chunked.chunk_parts` (Q_d, W, U, K_g, A_qk, d = e^{G_C}):
+  1. `states_kernel`, grid (B, H, N), chunks "arbitrary", S [K, V] in a VMEM
+     scratch: writes S_n entering every chunk, S_{n+1} = Diag(d) S_n + K_g^T (U - W S_n).
+  2. `dstates_kernel`, same grid with the chunk index reversed by the index_map,
+     dS = dL/dS_{n+1} [K, V] in a VMEM scratch:
+       dV_new = A_qk^T dO + K_g dS,   dS_n = Diag(d) dS + Q_d^T dO - W^T dV_new,
+     writing dV_new and every dS; the last dS_0 is d initial_state.
+  3. XLA, batched einsums over chunks (no scan): dQ_d = dO S_n^T,
+     dW = -dV_new S_n^T, dU = dV_new, dA_qk = dO V_new^T, dK_g = V_new dS^T,
+     dd = rowsum(S_n * dS), then the VJP of `chunked.chunk_parts`.
+Extra memory: S_n and dS, fp32 [B, H, N, K, V] each.
 """
 import functools
 
@@ -47,6 +59,7 @@ GATE_BOUND = -5.0
 TILE = 16
 CHUNK_SIZES = (64, 128)
 HEAD_DIMS = (64, 128)
+BACKWARDS = ("chunked", "kernel")
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 _TN = (((0,), (0,)), ((), ()))   # a^T @ b
@@ -235,23 +248,165 @@ def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, chunk
   return jnp.moveaxis(o, 1, 2)[:, :t], s
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kda(q, k, v, g, beta, h0, segment_ids, scale, chunk_size, interpret):
+def _states_kernel(w_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref, s_ref):
+  """Forward walk, one chunk of one (batch, head): stores S_n, then steps S (Eqs. 8-9)."""
+  n = pl.program_id(2)
+
+  @pl.when(n == 0)
+  def _():
+    s_ref[...] = h0_ref[...]
+
+  s = s_ref[...]
+  h_ref[...] = s
+  v_new = u_ref[...] - _dot(w_ref[...], s)
+  s_ref[...] = dec_ref[...] * s + _dot(kg_ref[...], v_new, _TN)
+
+
+def _dstates_kernel(qd_ref, w_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref,
+                    dvn_ref, ds_ref, dh0_ref, acc_ref, *, num_chunks: int):
+  """Reverse walk, chunk N-1-i of one (batch, head): dV_new, dS = dL/dS_{n+1}, dS_n.
+
+  N is a bound Python int, not `pl.num_programs`: Pallas may reuse a traced
+  kernel body for another grid with the same block shapes.
+  """
+  i = pl.program_id(2)
+
+  @pl.when(i == 0)
+  def _():
+    acc_ref[...] = dsf_ref[...]
+
+  ds = acc_ref[...]
+  ds_ref[...] = ds
+  do = do_ref[...]
+  dvn = _dot(aqk_ref[...], do, _TN) + _dot(kg_ref[...], ds)
+  dvn_ref[...] = dvn
+  ds_prev = dec_ref[...] * ds + _dot(qd_ref[...], do, _TN) - _dot(w_ref[...], dvn, _TN)
+  acc_ref[...] = ds_prev
+
+  @pl.when(i == num_chunks - 1)
+  def _():
+    dh0_ref[...] = ds_prev
+
+
+def _walk_call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret, name):
+  """A serial chunk walk: grid (B, H, N), chunks "arbitrary", one fp32 VMEM scratch."""
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM(scratch, jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret, name=name)
+
+
+def states_kernel(w, u, kg, dec, h0, interpret) -> jax.Array:
+  """Backward kernel 1: S_n [B, H, N, K, V] fp32 entering every chunk.
+
+  w, kg [B, H, N*C, K]; u [B, H, N*C, V]; dec [B, H, N, K, 1]; h0 [B, H, K, V]; all fp32.
+  """
+  b, h, n, dk, _ = dec.shape
+  dv = u.shape[-1]
+  c = chunked.CHUNK
+
+  def tok(width):
+    return pl.BlockSpec((None, None, c, width), lambda ib, ih, i: (ib, ih, i, 0))
+
+  per_chunk = pl.BlockSpec((None, None, None, dk, dv), lambda ib, ih, i: (ib, ih, i, 0, 0))
+  return _walk_call(
+      _states_kernel, (b, h, n),
+      [tok(dk), tok(dv), tok(dk),
+       pl.BlockSpec((None, None, None, dk, 1), lambda ib, ih, i: (ib, ih, i, 0, 0)),
+       pl.BlockSpec((None, None, dk, dv), lambda ib, ih, i: (ib, ih, 0, 0))],
+      per_chunk, jax.ShapeDtypeStruct((b, h, n, dk, dv), jnp.float32), (dk, dv), interpret,
+      "kda_states_tpu")(w, u, kg, dec, h0)
+
+
+def dstates_kernel(qd, w, kg, aqk, dec, do, dsf, interpret):
+  """Backward kernel 2: (dV_new [B, H, N*C, V], dS [B, H, N, K, V], dS_0 [B, H, K, V]).
+
+  qd, w, kg [B, H, N*C, K]; aqk [B, H, N*C, C]; dec [B, H, N, K, 1]; do [B, H, N*C, V];
+  dsf = dL/d(final state) [B, H, K, V]; all fp32. dS[n] is dL/dS_{n+1}.
+  """
+  b, h, n, dk, _ = dec.shape
+  dv = do.shape[-1]
+  c = chunked.CHUNK
+
+  def tok(width):
+    return pl.BlockSpec((None, None, c, width), lambda ib, ih, i: (ib, ih, n - 1 - i, 0))
+
+  state = pl.BlockSpec((None, None, dk, dv), lambda ib, ih, i: (ib, ih, 0, 0))
+  return _walk_call(
+      functools.partial(_dstates_kernel, num_chunks=n), (b, h, n),
+      [tok(dk), tok(dk), tok(dk), tok(c),
+       pl.BlockSpec((None, None, None, dk, 1), lambda ib, ih, i: (ib, ih, n - 1 - i, 0, 0)),
+       tok(dv), state],
+      [tok(dv), pl.BlockSpec((None, None, None, dk, dv),
+                             lambda ib, ih, i: (ib, ih, n - 1 - i, 0, 0)), state],
+      [jax.ShapeDtypeStruct((b, h, n * c, dv), jnp.float32),
+       jax.ShapeDtypeStruct((b, h, n, dk, dv), jnp.float32),
+       jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
+      (dk, dv), interpret, "kda_dstates_tpu")(qd, w, kg, aqk, dec, do, dsf)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float,
+             interpret=False) -> tuple[jax.Array, ...]:
+  """Gradients (dq, dk, dv, dg, dbeta, dh0) of (o, final state) given their cotangents.
+
+  Args:
+    q, k, v, g, beta, segment_ids: the forward's inputs (fla layouts); h0 [B, H, K, V] fp32.
+    d_o [B, T, H, V]; d_final [B, H, K, V].
+    scale, interpret: as in `forward`.
+  """
+  f32 = jnp.float32
+  parts, parts_vjp = jax.vjp(
+      functools.partial(chunked.chunk_parts, scale=scale, segment_ids=segment_ids,
+                        gate_bound=GATE_BOUND, dt=f32), q, k, v, g, beta)
+  qd, w, u, kg, aqk, dec = parts
+  b, h, n, c, _ = qd.shape
+
+  def tokens(x):
+    return x.reshape(b, h, n * c, x.shape[-1])
+
+  dec_col = dec[..., None]
+  s_in = states_kernel(tokens(w), tokens(u), tokens(kg), dec_col, h0.astype(f32), interpret)
+  do_p = chunked._pad_time(d_o.astype(f32), n * c - q.shape[1])
+  dvn, ds, dh0 = dstates_kernel(tokens(qd), tokens(w), tokens(kg), tokens(aqk), dec_col,
+                                jnp.moveaxis(do_p, 2, 1), d_final.astype(f32), interpret)
+  dvn = dvn.reshape(b, h, n, c, -1)
+  doc = chunked._to_chunks(do_p)
+  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=_HIGHEST)
+  d_parts = (jnp.einsum("bhncv,bhnkv->bhnck", doc, s_in, precision=_HIGHEST),
+             -jnp.einsum("bhncv,bhnkv->bhnck", dvn, s_in, precision=_HIGHEST),
+             dvn,
+             jnp.einsum("bhncv,bhnkv->bhnck", v_new, ds, precision=_HIGHEST),
+             jnp.einsum("bhncv,bhnjv->bhncj", doc, v_new, precision=_HIGHEST),
+             jnp.sum(s_in * ds, axis=-1))
+  return (*parts_vjp(d_parts), dh0.astype(h0.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _kda(q, k, v, g, beta, h0, segment_ids, scale, chunk_size, interpret, bwd_impl):
+  del bwd_impl
   return forward(q, k, v, g, beta, h0, segment_ids, scale=scale, chunk_size=chunk_size,
                  interpret=interpret)
 
 
-def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, chunk_size, interpret):
+def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, chunk_size, interpret, bwd_impl):
+  del bwd_impl
   out = forward(q, k, v, g, beta, h0, segment_ids, scale=scale, chunk_size=chunk_size,
                 interpret=interpret)
   return out, (q, k, v, g, beta, h0, segment_ids)
 
 
-def _kda_bwd(scale, chunk_size, interpret, res, cot):
-  """VJP of the chunked JAX tier (recomputes its states; see module doc)."""
-  del chunk_size, interpret
+def _kda_bwd(scale, chunk_size, interpret, bwd_impl, res, cot):
+  """The kernel backward or the VJP of the chunked JAX tier (see module doc)."""
+  del chunk_size
   q, k, v, g, beta, h0, segment_ids = res
   do, ds = cot
+  if bwd_impl == "kernel":
+    grads = backward(q, k, v, g, beta, h0, segment_ids, do, ds, scale=scale,
+                     interpret=interpret)
+    return (*grads, None)
 
   def f(q, k, v, g, beta, h0):
     o, s = chunked.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
@@ -268,7 +423,8 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: jax.Array | None = None, output_final_state: bool = False,
                          segment_ids: jax.Array | None = None, chunk_size: int = 64,
-                         interpret=False) -> tuple[jax.Array, jax.Array | None]:
+                         interpret=False,
+                         backward: str = "chunked") -> tuple[jax.Array, jax.Array | None]:
   """`api.chunk_kda` semantics on the Mosaic TPU kernel (bounded gate g >= -5 assumed).
 
   Args:
@@ -277,6 +433,8 @@ def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
     scale: defaults to K**-0.5.
     chunk_size: 64 or 128 tokens per grid step.
     interpret: False on a TPU; True or `pltpu.InterpretParams()` elsewhere.
+    backward: "chunked" (default: VJP of the chunked JAX tier) or "kernel"
+      (Mosaic TPU state walks plus batched XLA einsums, see module doc).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -284,11 +442,13 @@ def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
   reason = supports(q, k, v, g, beta, gate_bound=GATE_BOUND, chunk_size=chunk_size)
   if reason is not None:
     raise ValueError(f"chunk_kda_mosaic_tpu: {reason}")
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
   if scale is None:
     scale = q.shape[-1] ** -0.5
   h0 = initial_state
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
   o, s = _kda(q, k, v, g, beta, h0.astype(jnp.float32), segment_ids, float(scale), chunk_size,
-              interpret)
+              interpret, backward)
   return o, (s if output_final_state else None)
