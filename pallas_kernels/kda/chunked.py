@@ -204,6 +204,23 @@ def chunk_parts(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
   return q_decayed, wu[..., :dk], wu[..., dk:], k_to_end, a_qk, chunk_decay
 
 
+def chunk_parts_cotangents(w, u, s_in, d_s, d_v_new, d_o) -> tuple[jax.Array, ...]:
+  """Cotangents of `chunk_parts`' outputs from the state walks of a kernel backward.
+
+  With V_new = U - W S, O = Q_d S + A_qk V_new and S' = e^{G_C} S + K_g^T V_new per chunk:
+  s_in [B, H, N, K, V] the state entering each chunk, d_s the gradient of the state leaving
+  it, d_v_new [B, H, N, C, V] (A_qk^T dO + K_g dS', from the reverse walk), d_o [B, H, N, C, V].
+  Returns (dQ_d, dW, dU, dK_g, dA_qk, d chunk decay), in `chunk_parts`' order.
+  """
+  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=_HIGHEST)
+  return (jnp.einsum("bhncv,bhnkv->bhnck", d_o, s_in, precision=_HIGHEST),
+          -jnp.einsum("bhncv,bhnkv->bhnck", d_v_new, s_in, precision=_HIGHEST),
+          d_v_new,
+          jnp.einsum("bhncv,bhnkv->bhnck", v_new, d_s, precision=_HIGHEST),
+          jnp.einsum("bhncv,bhnjv->bhncj", d_o, v_new, precision=_HIGHEST),
+          jnp.sum(s_in * d_s, axis=-1))
+
+
 def chunk_kda(
     q: jax.Array,
     k: jax.Array,

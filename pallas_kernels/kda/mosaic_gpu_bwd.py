@@ -214,11 +214,5 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
                                 d_final.astype(_F32), cfg, interp)
   dvn = dvn.reshape(b, h, n, c, -1)
   doc = chunked._to_chunks(do_p.astype(_F32))
-  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=_HIGHEST)
-  d_parts = (jnp.einsum("bhncv,bhnkv->bhnck", doc, s_in, precision=_HIGHEST),
-             -jnp.einsum("bhncv,bhnkv->bhnck", dvn, s_in, precision=_HIGHEST),
-             dvn,
-             jnp.einsum("bhncv,bhnkv->bhnck", v_new, ds, precision=_HIGHEST),
-             jnp.einsum("bhncv,bhnjv->bhncj", doc, v_new, precision=_HIGHEST),
-             jnp.sum(s_in * ds, axis=-1))
+  d_parts = chunked.chunk_parts_cotangents(w, u, s_in, ds, dvn, doc)
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))

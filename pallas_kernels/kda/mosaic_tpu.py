@@ -374,13 +374,7 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float,
                                 jnp.moveaxis(do_p, 2, 1), d_final.astype(f32), interpret)
   dvn = dvn.reshape(b, h, n, c, -1)
   doc = chunked._to_chunks(do_p)
-  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=_HIGHEST)
-  d_parts = (jnp.einsum("bhncv,bhnkv->bhnck", doc, s_in, precision=_HIGHEST),
-             -jnp.einsum("bhncv,bhnkv->bhnck", dvn, s_in, precision=_HIGHEST),
-             dvn,
-             jnp.einsum("bhncv,bhnkv->bhnck", v_new, ds, precision=_HIGHEST),
-             jnp.einsum("bhncv,bhnjv->bhncj", doc, v_new, precision=_HIGHEST),
-             jnp.sum(s_in * ds, axis=-1))
+  d_parts = chunked.chunk_parts_cotangents(w, u, s_in, ds, dvn, doc)
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))
 
 
