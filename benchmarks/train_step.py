@@ -44,9 +44,9 @@ def main(argv):
   jax.block_until_ready(m)
   dt = (time.perf_counter() - t0) / _STEPS.value
   tok_s = b * s / dt
-  fpt = flops.train_flops_per_token(cfg.model, s)
   peak, source = flops.peak_flops_per_device()
   counts = flops.count_params(cfg.model)
+  fpt = flops.train_flops_per_token(cfg.model, s, counts)
   rec = dict(op="train_step", config=cfg.name, B=b, T=s, step_ms=round(dt * 1e3, 2),
              tokens_per_s=round(tok_s, 1), model_tflops=round(tok_s * fpt / 1e12, 2),
              mfu=round(tok_s * fpt / peak, 4), peak_source=source, total_params=counts.total,

@@ -68,9 +68,14 @@ def attention_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int
   return kinds.count("mla") * mla + kinds.count("kda") * kda
 
 
-def train_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int) -> float:
-  """6 * active params + 3 * attention forward FLOPs, per trained token."""
-  return 6 * count_params(model_cfg).active + 3 * attention_flops_per_token(model_cfg, seq_len)
+def train_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int,
+                          counts: ParamCount | None = None) -> float:
+  """6 * active params + 3 * attention forward FLOPs, per trained token.
+
+  `counts` (from `count_params`) saves tracing the model again when the caller has them.
+  """
+  active = (counts or count_params(model_cfg)).active
+  return 6 * active + 3 * attention_flops_per_token(model_cfg, seq_len)
 
 
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,

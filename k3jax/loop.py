@@ -50,7 +50,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   step_fn = jax.jit(train.make_train_step(setup), donate_argnums=0,
                     out_shardings=(state_shardings, None))
   say = tqdm.tqdm.write if jax.process_index() == 0 else (lambda _: None)
-  say(f"k3jax: {cfg.name}, {flops.count_params(cfg.model)}\noptimizer:\n"
+  counts = flops.count_params(cfg.model)
+  say(f"k3jax: {cfg.name}, {counts}\noptimizer:\n"
       f"{train.optimizer_table(cfg.train, state['params'])}")
 
   data_iter = data.make_train_iterator(
@@ -68,7 +69,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
     say(f"resumed from step {start} ({ckpt.directory})")
 
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if jax.process_index() == 0 else None
-  flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len)
+  flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len, counts)
   peak, peak_source = flops.peak_flops_per_device()
   say(f"model FLOPs per token {flops_per_token:.3g}; peak {peak:.3g} FLOP/s per device "
       f"({peak_source}); mesh {dict(mesh.shape)}")
