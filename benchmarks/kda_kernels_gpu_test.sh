@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mosaic GPU KDA kernels (pallas_kernels/kda/mosaic_gpu.py) compiled and checked on a Hopper GPU.
 #
-#   bash benchmarks/kda_kernels_gpu_test.sh               # pytest -k mosaic_gpu, compiled (no interpreter)
+#   bash benchmarks/kda_kernels_gpu_test.sh               # forward, backward and decode kernel tests, compiled
 #   bash benchmarks/kda_kernels_gpu_test.sh --bench       # the tests, then the forward timed against fla
 #   bash benchmarks/kda_kernels_gpu_test.sh --bench-only  # only the timing
 #
@@ -19,7 +19,8 @@ export K3JAX_KDA_TEST_ON_DEVICE=1
 mode="${1:-}"
 
 if [[ "$mode" != "--bench-only" ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels -k mosaic_gpu
+  python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kda_mosaic_gpu.py \
+    tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py tests/pallas_kernels/test_kda_recurrent_decode.py
 fi
 if [[ "$mode" != "--bench" && "$mode" != "--bench-only" ]]; then
   exit 0

@@ -153,7 +153,7 @@ def fused_recurrent_kda(
   """Token-by-token KDA for decode (T = 1); arguments as in `chunk_kda`.
 
   impl: None or "reference" (the token-by-token `lax.scan`), or "mosaic_gpu"
-  (`recurrent_decode`, Hopper; used only when named: it has not run on a GPU yet). A kernel
+  (`recurrent_decode`, Hopper; used only when named: not all its GPU tests have run yet). A kernel
   that cannot take the call raises ValueError with the reason.
 
   Returns:

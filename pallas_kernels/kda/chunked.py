@@ -88,13 +88,14 @@ def _segment_masks(segment_ids: jax.Array, n: int):
 
 
 def _intra_chunk(rows: jax.Array, k: jax.Array, G: jax.Array,
-                 gate_bound: float | None, dt: jnp.dtype) -> jax.Array:
+                 gate_bound: float | None, dt: jnp.dtype, precision=_HIGHEST) -> jax.Array:
   """sum_c rows_rc k_jc e^{G_rc - G_jc} for all (r, j) of a chunk, exact where j <= r.
 
   Args:
     rows: [R, B, H, N, C, K] (R row operands sharing k and G); k, G: [B, H, N, C, K].
     gate_bound: None (pairwise diagonal tiles) or a bound >= -5 (factorised).
     dt: accumulation dtype.
+    precision: of the einsums (HIGHEST: full fp32).
 
   Returns:
     [R, B, H, N, C, C]; entries with j > r are unspecified (the caller masks).
@@ -113,19 +114,19 @@ def _intra_chunk(rows: jax.Array, k: jax.Array, G: jax.Array,
   expo = jnp.where(before[:, :, None], g_anchor - G[..., None, :, :], 0)
   k_off = k[..., None, :, :] * jnp.exp(expo)                          # [..., nt, C, K]
   a_off = jnp.einsum("...itk,...ijk->...itj", rows_off, k_off,
-                     precision=_HIGHEST, preferred_element_type=dt)
+                     precision=precision, preferred_element_type=dt)
 
   # Diagonal tiles.
   if gate_bound is None:
     causal = jnp.tril(jnp.ones((TILE, TILE), bool))
     diff = jnp.where(causal[:, :, None], g_t[..., :, None, :] - g_t[..., None, :, :], 0)
     a_diag = jnp.einsum("...irk,...isk,...irsk->...irs", rows_t, k_t, jnp.exp(diff),
-                        precision=_HIGHEST, preferred_element_type=dt)
+                        precision=precision, preferred_element_type=dt)
   else:
     g_mid = g_t[..., TILE // 2:TILE // 2 + 1, :]
     a_diag = jnp.einsum("...irk,...isk->...irs", rows_t * jnp.exp(g_t - g_mid),
                         k_t * jnp.exp(g_mid - g_t),
-                        precision=_HIGHEST, preferred_element_type=dt)
+                        precision=precision, preferred_element_type=dt)
 
   a_diag = jnp.einsum("ij,...irs->...irjs", jnp.eye(nt, dtype=dt), a_diag)
   a_diag = a_diag.reshape(*a_diag.shape[:-4], CHUNK, CHUNK)
@@ -134,7 +135,7 @@ def _intra_chunk(rows: jax.Array, k: jax.Array, G: jax.Array,
   return jnp.where(same_tile, a_diag, a_off)
 
 
-def _ut_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
+def _ut_solve(lower: jax.Array, rhs: jax.Array, precision=_HIGHEST) -> jax.Array:
   """(I + lower)^{-1} rhs for strictly lower-triangular lower [..., C, C] (Eq. 6).
 
   With D the block diagonal of I + lower (16 x 16 tiles, inverted by a batched
@@ -152,20 +153,23 @@ def _ut_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
       unit_diagonal=True)
   off_diag = (jnp.arange(nt)[:, None] != jnp.arange(CHUNK)[None, :] // TILE)[:, None, :]
   n_mat = jnp.einsum("...irs,...isj->...irj", inv, jnp.where(off_diag, rows, 0),
-                     precision=_HIGHEST).reshape(lower.shape)
+                     precision=precision).reshape(lower.shape)
   y = jnp.einsum("...irs,...isx->...irx", inv,
                  rhs.reshape(*rhs.shape[:-2], nt, TILE, rhs.shape[-1]),
-                 precision=_HIGHEST).reshape(rhs.shape)
+                 precision=precision).reshape(rhs.shape)
   x = y
   for _ in range(nt - 1):
-    x = y - jnp.einsum("...rj,...jx->...rx", n_mat, x, precision=_HIGHEST)
+    x = y - jnp.einsum("...rj,...jx->...rx", n_mat, x, precision=precision)
   return x
 
 
 def chunk_parts(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                 scale: float, segment_ids: jax.Array | None, gate_bound: float | None,
-                dt) -> tuple[jax.Array, ...]:
+                dt, precision=_HIGHEST) -> tuple[jax.Array, ...]:
   """The chunk-parallel half of chunkwise KDA (report Eqs. 2-7), no scan, in `dt`.
+
+  `precision` of the einsums: HIGHEST (full fp32, the chunked tier) or DEFAULT (TF32 tensor
+  cores on GPUs for fp32 operands; the kernel backwards).
 
   Args:
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; segment_ids [B, T] or None.
@@ -185,7 +189,7 @@ def chunk_parts(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
 
   pos = jnp.arange(CHUNK)
   rows = jnp.stack([qc * scale, bc[..., None] * kc])
-  a_qk, a_kk = _intra_chunk(rows, kc, G, gate_bound, dt)
+  a_qk, a_kk = _intra_chunk(rows, kc, G, gate_bound, dt, precision)
   a_qk = jnp.where(pos[:, None] >= pos[None, :], a_qk, 0)
   a_kk = jnp.where(pos[:, None] > pos[None, :], a_kk, 0)
   k_decayed = bc[..., None] * kc * jnp.exp(G)
@@ -200,11 +204,12 @@ def chunk_parts(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     q_decayed = jnp.where(first[..., None], q_decayed, 0)
     k_to_end = jnp.where(last[..., None], k_to_end, 0)
     chunk_decay = jnp.where(whole[..., None], chunk_decay, 0)
-  wu = _ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1))
+  wu = _ut_solve(a_kk, jnp.concatenate([k_decayed, bc[..., None] * vc], axis=-1), precision)
   return q_decayed, wu[..., :dk], wu[..., dk:], k_to_end, a_qk, chunk_decay
 
 
-def chunk_parts_cotangents(w, u, s_in, d_s, d_v_new, d_o) -> tuple[jax.Array, ...]:
+def chunk_parts_cotangents(w, u, s_in, d_s, d_v_new, d_o,
+                           precision=_HIGHEST) -> tuple[jax.Array, ...]:
   """Cotangents of `chunk_parts`' outputs from the state walks of a kernel backward.
 
   With V_new = U - W S, O = Q_d S + A_qk V_new and S' = e^{G_C} S + K_g^T V_new per chunk:
@@ -212,12 +217,12 @@ def chunk_parts_cotangents(w, u, s_in, d_s, d_v_new, d_o) -> tuple[jax.Array, ..
   it, d_v_new [B, H, N, C, V] (A_qk^T dO + K_g dS', from the reverse walk), d_o [B, H, N, C, V].
   Returns (dQ_d, dW, dU, dK_g, dA_qk, d chunk decay), in `chunk_parts`' order.
   """
-  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=_HIGHEST)
-  return (jnp.einsum("bhncv,bhnkv->bhnck", d_o, s_in, precision=_HIGHEST),
-          -jnp.einsum("bhncv,bhnkv->bhnck", d_v_new, s_in, precision=_HIGHEST),
+  v_new = u - jnp.einsum("bhnck,bhnkv->bhncv", w, s_in, precision=precision)
+  return (jnp.einsum("bhncv,bhnkv->bhnck", d_o, s_in, precision=precision),
+          -jnp.einsum("bhncv,bhnkv->bhnck", d_v_new, s_in, precision=precision),
           d_v_new,
-          jnp.einsum("bhncv,bhnkv->bhnck", v_new, d_s, precision=_HIGHEST),
-          jnp.einsum("bhncv,bhnjv->bhncj", d_o, v_new, precision=_HIGHEST),
+          jnp.einsum("bhncv,bhnkv->bhnck", v_new, d_s, precision=precision),
+          jnp.einsum("bhncv,bhnjv->bhncj", d_o, v_new, precision=precision),
           jnp.sum(s_in * d_s, axis=-1))
 
 

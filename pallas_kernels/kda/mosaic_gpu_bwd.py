@@ -28,7 +28,7 @@ Extra memory: S_n and dS, fp32 [B, H, N, K, V] each (fla keeps h too).
 Measured (interpreter, bf16 inputs, B=1, H=2, T in {64, 130}, K=V in {64, 128},
 segments and initial state): relative RMS gradient errors <= 3e-3 against the
 fp64 recurrence. Lowering for CUDA (`jax.export(..., platforms=("cuda",))`)
-succeeds on CPU; the kernels have not yet run on a GPU.
+succeeds on CPU; compiled, the same tests (and larger shapes) pass on an H200.
 
 `mosaic_gpu` imports this module and this module imports `mosaic_gpu`: use
 `fwd.` names only inside functions.
@@ -46,13 +46,17 @@ from pallas_kernels.kda import mosaic_gpu as fwd
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
-_HIGHEST = lax.Precision.HIGHEST
+# Einsums of the XLA part: DEFAULT lets XLA use TF32 tensor cores for the fp32 operands on
+# GPUs (10-bit mantissa, below the bf16 rounding of the kernels' own operands); HIGHEST is
+# full fp32.
+PRECISION = lax.Precision.DEFAULT
 
 
-def chunk_parts(q, k, v, g, beta, *, scale: float, segment_ids) -> tuple[jax.Array, ...]:
+def chunk_parts(q, k, v, g, beta, *, scale: float, segment_ids,
+                precision=PRECISION) -> tuple[jax.Array, ...]:
   """The chunk-parallel part of the forward in fp32 (`chunked.chunk_parts`, gate >= -5)."""
   return chunked.chunk_parts(q, k, v, g, beta, scale=scale, segment_ids=segment_ids,
-                             gate_bound=fwd.GATE_BOUND, dt=_F32)
+                             gate_bound=fwd.GATE_BOUND, dt=_F32, precision=precision)
 
 
 def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
@@ -187,19 +191,21 @@ def dstates_kernel(qd, wn, kg, aqk, dec, do, dsf, cfg, interpret):
   return call(qd, wn, kg, aqk, dec, do, dsf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v", "precision"))
 def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, interpret,
-             block_v: int) -> tuple[jax.Array, ...]:
+             block_v: int, precision=PRECISION) -> tuple[jax.Array, ...]:
   """Gradients (dq, dk, dv, dg, dbeta, dh0) of (o, final state) given their cotangents.
 
   Args:
     q, k, v, g, beta, segment_ids: the forward's inputs (fla layouts); h0 [B, H, K, V] fp32.
     d_o [B, T, H, V]; d_final [B, H, K, V].
     scale, interpret, block_v: as in `mosaic_gpu.forward`.
+    precision: of the XLA einsums (`PRECISION`).
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
   parts, parts_vjp = jax.vjp(
-      functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids), q, k, v, g, beta)
+      functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids, precision=precision),
+      q, k, v, g, beta)
   qd, w, u, kg, aqk, dec = parts
   b, h, n, c, _ = qd.shape
 
@@ -214,5 +220,5 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
                                 d_final.astype(_F32), cfg, interp)
   dvn = dvn.reshape(b, h, n, c, -1)
   doc = chunked._to_chunks(do_p.astype(_F32))
-  d_parts = chunked.chunk_parts_cotangents(w, u, s_in, ds, dvn, doc)
+  d_parts = chunked.chunk_parts_cotangents(w, u, s_in, ds, dvn, doc, precision)
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))

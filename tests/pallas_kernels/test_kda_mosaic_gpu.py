@@ -104,8 +104,9 @@ def test_gate_at_the_bound_with_correlated_keys():
 
 
 def test_fp32_inputs_gradients_segments_initial_state():
-  """fp32 inputs: o in fp32 (bf16 tensor-core accuracy); custom_vjp gradients of all six
-  inputs come from the chunked tier in fp32, so they match fp64 closely."""
+  """fp32 inputs: o in fp32 (bf16 tensor-core accuracy); with backward="chunked" the
+  custom_vjp gradients of all six inputs come from the chunked tier in fp32, so they match
+  fp64 closely (the default kernel backward: test_kda_mosaic_gpu_bwd.py)."""
   b, t, h, d = 1, 100, 1, 64
   x = inputs(9, b, t, h, d, d, jnp.float32)
   sid = segments(t, b)
@@ -116,7 +117,7 @@ def test_fp32_inputs_gradients_segments_initial_state():
   def f(a):
     return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
                                            output_final_state=True, segment_ids=sid,
-                                           interpret=INTERPRET)
+                                           interpret=INTERPRET, backward="chunked")
 
   (o, s), vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
   grads = vjp(tuple(jnp.asarray(c) for c in cot))[0]
