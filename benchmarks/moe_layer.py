@@ -1,10 +1,14 @@
 r"""The Stable LatentMoE layer at k3_small shapes: where its time goes.
 
-Times, in one process on the same inputs: the whole layer forward (and forward+backward); the
-router alone; routing + permutations (top-k, sort by expert, gather, scatter-add back) without the
-expert matmuls; the three grouped matmuls alone; and a dense bf16 matmul of the same FLOPs (the
-ceiling). `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--ragged_dot_impl=...]`.
+Times, in one process on the same inputs: the whole layer forward (and forward+backward) with
+each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
+default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
+permutations (top-k, sort by expert, gather, scatter-add back) without the expert matmuls; the
+three grouped matmuls alone per tier; and a dense bf16 matmul of the same FLOPs (the ceiling).
+`python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -13,10 +17,19 @@ from flax import nnx
 from benchmarks import common
 from k3jax import config as config_lib
 from k3jax import latent_moe
+from pallas_kernels import ragged_dot as grouped_matmul
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens in the batch (B*T).")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
+_IMPLS = flags.DEFINE_list("impls", ["default", "xla"],
+                           "Grouped-matmul tiers: default (platform default) or an impl name of "
+                           "pallas_kernels.ragged_dot.")
+
+
+def ragged_dot_of(impl: str):
+  """`jax.lax.ragged_dot`-like callable of the named tier."""
+  return functools.partial(grouped_matmul.ragged_dot, impl=None if impl == "default" else impl)
 
 
 def main(argv):
@@ -24,17 +37,22 @@ def main(argv):
   cfg = config_lib.load(_CONFIG.value)
   m, e = cfg.model, cfg.model.moe
   d, n = m.hidden_size, _TOKENS.value
-  moe = latent_moe.LatentMoE(
-      d, num_experts=e.num_experts, top_k=e.num_experts_per_tok,
-      n_shared_experts=e.n_shared_experts, moe_intermediate_size=e.moe_intermediate_size,
-      latent_size=e.latent_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  def make_moe(impl):
+    return latent_moe.LatentMoE(
+        d, num_experts=e.num_experts, top_k=e.num_experts_per_tok,
+        n_shared_experts=e.n_shared_experts, moe_intermediate_size=e.moe_intermediate_size,
+        latent_size=e.latent_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16, ragged_dot=ragged_dot_of(impl))
+  moe = make_moe("xla")
   x = jax.random.normal(jax.random.key(1), (1, n, d), jnp.bfloat16)
-  graph, params, rest = nnx.split(moe, nnx.Param, ...)
+  _, params, _ = nnx.split(moe, nnx.Param, ...)
 
-  def layer(params, x):
-    return nnx.merge(graph, params, rest)(x)[0]
-  fwd = jax.jit(layer)
-  fwd_bwd = jax.jit(jax.grad(lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32)), (0, 1)))
+  def layer_fns(impl):
+    graph, _, rest = nnx.split(make_moe(impl), nnx.Param, ...)
+    def layer(params, x):
+      return nnx.merge(graph, params, rest)(x)[0]
+    return jax.jit(layer), jax.jit(jax.grad(
+        lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32)), (0, 1)))
 
   lat = e.latent_size or d
   w = moe.experts
@@ -57,27 +75,30 @@ def main(argv):
   sizes = jnp.bincount(experts.reshape(-1), length=e.num_experts).astype(jnp.int32)
   rows = jax.random.normal(jax.random.key(3), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
 
-  def gemms(rr, w1, w3, w2):
-    g = jax.lax.ragged_dot(rr, w1, sizes)
-    u = jax.lax.ragged_dot(rr, w3, sizes)
-    return jax.lax.ragged_dot((g * u).astype(jnp.bfloat16), w2, sizes)
+  def gemms(rr, w1, w3, w2, impl):
+    mm = ragged_dot_of(impl)
+    g = mm(rr, w1, sizes)
+    u = mm(rr, w3, sizes)
+    return mm((g * u).astype(jnp.bfloat16), w2, sizes)
 
   mi = e.moe_intermediate_size
   gemm_flops = 2 * n * e.num_experts_per_tok * lat * mi * 3
   dense_a = jax.random.normal(jax.random.key(4), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
   dense_b = jax.random.normal(jax.random.key(5), (lat, 3 * mi), jnp.bfloat16)
-  timings = {
-      "layer_fwd": common.time_jax(fwd, params, x),
-      "layer_fwd+bwd": common.time_jax(fwd_bwd, params, x),
-      "routing_and_permutation": common.time_jax(jax.jit(routing_only), x[0], z),
-      "grouped_gemms_xla": common.time_jax(jax.jit(gemms), rows, w["w1"][...], w["w3"][...],
-                                           w["w2"][...]),
-      "dense_same_flops": common.time_jax(jax.jit(jnp.dot), dense_a, dense_b),
-  }
+  timings = {}
+  for impl in _IMPLS.value:
+    fwd, fwd_bwd = layer_fns(impl)
+    timings[f"layer_fwd_{impl}"] = common.time_jax(fwd, params, x)
+    timings[f"layer_fwd+bwd_{impl}"] = common.time_jax(fwd_bwd, params, x)
+    timings[f"grouped_gemms_{impl}"] = common.time_jax(
+        jax.jit(functools.partial(gemms, impl=impl)), rows, w["w1"][...], w["w3"][...],
+        w["w2"][...])
+  timings["routing_and_permutation"] = common.time_jax(jax.jit(routing_only), x[0], z)
+  timings["dense_same_flops"] = common.time_jax(jax.jit(jnp.dot), dense_a, dense_b)
   device, date = common.device_name(), common.today()
   records = []
   for name, ms in timings.items():
-    tf = gemm_flops / ms / 1e9 if name in ("grouped_gemms_xla", "dense_same_flops") else None
+    tf = gemm_flops / ms / 1e9 if name.startswith(("grouped_gemms", "dense")) else None
     records.append(dict(op="moe_layer", implementation=name, config=cfg.name, tokens=n,
                         median_ms=round(ms, 4), tflops=round(tf, 1) if tf else None,
                         dtype="bfloat16", device=device, date=date,
