@@ -24,7 +24,7 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/kda_h200.json", "Records (
 _SHAPES = flags.DEFINE_list("shapes", ["1x8192x32", "1x8192x96"], "BxTxH, comma separated.")
 _IMPLS = flags.DEFINE_list("impls", ["chunked", "fla", "jla_mosaic_gpu", "jla_chunked"],
                            "chunked | mosaic_gpu (kernel backward) | mosaic_gpu_bwd_chunked (the chunked "
-                           "tier's backward) | fla "
+                           "tier's backward) | mosaic_gpu_bwd_intra (backward='kernel_intra') | fla "
                            "| jla_mosaic_gpu | jla_chunked")
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (JAX).")
@@ -64,10 +64,11 @@ def jax_fns(impl: str):
     jla_impl = impl[len("jla_"):]
     def op(q, k, v, g, beta):
       return linear_attention("kda", q, k, v, g=g, beta=beta, impl=jla_impl, use_qk_l2norm=True)[0]
-  elif impl == "mosaic_gpu_bwd_chunked":
+  elif impl in ("mosaic_gpu_bwd_chunked", "mosaic_gpu_bwd_intra"):
+    backward = {"mosaic_gpu_bwd_chunked": "chunked", "mosaic_gpu_bwd_intra": "kernel_intra"}[impl]
     def op(q, k, v, g, beta):
       return mosaic_gpu.chunk_kda_mosaic_gpu(l2_normalize(q), l2_normalize(k), v, g, beta,
-                                             backward="chunked")[0]
+                                             backward=backward)[0]
   else:
     def op(q, k, v, g, beta):
       return kda_ops.chunk_kda(l2_normalize(q), l2_normalize(k), v, g, beta, gate_bound=-5.0,

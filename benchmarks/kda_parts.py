@@ -2,8 +2,9 @@ r"""Where the time of the Mosaic GPU KDA forward and kernel backward goes, part 
 
 Each part in its own jit on the inputs of `benchmarks.kda` (B=1, T=8192, K=V=128, bf16 q, k, v):
 the L2 norm of q and k, the forward kernels, and the backward's pieces (`mosaic_gpu_bwd`):
-`chunk_parts` and its VJP (XLA), the two state-walk kernels and `chunk_parts_cotangents`
-(XLA), with the XLA einsums at HIGHEST (fp32) and DEFAULT (TF32) precision.
+`chunk_parts` and its VJP (XLA), the two state-walk kernels, `chunk_parts_cotangents` (XLA),
+the intra kernel's parts and the hand-written `chunked.chunk_parts_vjp` (parts="kernel"), and
+the whole backward both ways, with the XLA einsums at HIGHEST (fp32) and DEFAULT (TF32).
 Run: `python3 -m benchmarks.kda_parts --parts_out=$OUT/kda_parts_h200.json` (records: op
 "kda_parts", part, B, T, H, median_ms, device, date).
 """
@@ -72,10 +73,21 @@ def parts_of(b, t, h):
     ms[f"cotangents_{name}"] = common.time_jax(
         jax.jit(lambda *a, prec=prec: chunked.chunk_parts_cotangents(*a, prec)),
         w, u, s_in, ds, dvn, doc)
-    ms[f"backward_{name}"] = common.time_jax(
-        jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd.backward(
-            *a, scale=scale, interpret=interpret, block_v=block_v, precision=prec)),
-        q, k, v, g, beta, h0, None, d_o, h0)
+    for parts in ("xla", "kernel"):
+      ms[f"backward_parts_{parts}_{name}"] = common.time_jax(
+          jax.jit(lambda *a, prec=prec, parts=parts: mosaic_gpu_bwd.backward(
+              *a, scale=scale, interpret=interpret, block_v=block_v, precision=prec,
+              parts=parts)),
+          q, k, v, g, beta, h0, None, d_o, h0)
+    parts_k, m = jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd._parts_from_kernel(
+        *a, None, cfg, interp, prec))(q, k, v, g, beta)
+    ms[f"parts_from_kernel_{name}"] = common.time_jax(
+        jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd._parts_from_kernel(
+            *a, None, cfg, interp, prec)), q, k, v, g, beta)
+    ms[f"chunk_parts_vjp_{name}"] = common.time_jax(
+        jax.jit(lambda *a, prec=prec: chunked.chunk_parts_vjp(
+            *a[:6], a[6], scale=scale, segment_ids=None, gate_bound=-5.0, precision=prec)),
+        q, k, v, g, beta, m, tuple(jnp.ones_like(p) for p in parts_k))
   return ms
 
 

@@ -208,6 +208,136 @@ def chunk_parts(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
   return q_decayed, wu[..., :dk], wu[..., dk:], k_to_end, a_qk, chunk_decay
 
 
+def _intra_chunk_vjp(rows: jax.Array, k: jax.Array, G: jax.Array, d_a: jax.Array,
+                     gate_bound: float | None, precision) -> tuple[jax.Array, ...]:
+  """VJP of `_intra_chunk` for causally masked cotangents, with its decay anchoring.
+
+  For P_rj = sum_c x_rc k_jc e^{G_rc - G_jc} and dP = d_a (zero where j > r):
+  dx_rc = sum_j dP_rj k_jc e^{G_rc - G_jc}, dk_jc = sum_r dP_rj x_rc e^{G_rc - G_jc}, evaluated
+  with the forward's anchors, and dG = sum_R x * dx - k * dk.
+
+  Args:
+    rows: [R, B, H, N, C, K]; k, G: [B, H, N, C, K]; d_a: [R, B, H, N, C, C].
+
+  Returns:
+    (d_rows [R, B, H, N, C, K], d_k [B, H, N, C, K], d_G [B, H, N, C, K]).
+  """
+  nt = CHUNK // TILE
+  shape_t = lambda x: x.reshape(*x.shape[:-2], nt, TILE, x.shape[-1])
+  rows_t, k_t, g_t = shape_t(rows), shape_t(k), shape_t(G)
+  pos = jnp.arange(CHUNK)
+  same_tile = (pos[:, None] // TILE) == (pos[None, :] // TILE)
+  d_off = shape_t(jnp.where(same_tile, 0, d_a))                       # [R, ..., nt, 16, C]
+  d_diag = jnp.diagonal(shape_t(d_a).reshape(*d_a.shape[:-2], nt, TILE, nt, TILE),
+                        axis1=-4, axis2=-2)                          # [R, ..., 16, 16, nt]
+  d_diag = jnp.moveaxis(d_diag, -1, -3)                               # [R, ..., nt, 16, 16]
+
+  g_anchor = g_t[..., :, :1, :]
+  before = pos[None, :] < (TILE * jnp.arange(nt))[:, None]
+  decay_off = jnp.exp(jnp.where(before[:, :, None], g_anchor - G[..., None, :, :], 0))
+  rows_off = rows_t * jnp.exp(g_t - g_anchor)
+  d_rows = jnp.exp(g_t - g_anchor) * jnp.einsum(
+      "...itj,...ijk->...itk", d_off, k[..., None, :, :] * decay_off, precision=precision)
+  d_k = jnp.sum(decay_off * jnp.einsum("z...itj,z...itk->...ijk", d_off, rows_off,
+                                       precision=precision), axis=-3)
+
+  if gate_bound is None:
+    causal = jnp.tril(jnp.ones((TILE, TILE), bool))
+    pair = jnp.exp(jnp.where(causal[:, :, None], g_t[..., :, None, :] - g_t[..., None, :, :], 0))
+    d_rows_diag = jnp.einsum("...irs,...isk,...irsk->...irk", d_diag, k_t, pair,
+                             precision=precision)
+    d_k_diag = jnp.einsum("z...irs,z...irk,...irsk->...isk", d_diag, rows_t, pair,
+                          precision=precision)
+  else:
+    g_mid = g_t[..., TILE // 2:TILE // 2 + 1, :]
+    up, down = jnp.exp(g_t - g_mid), jnp.exp(g_mid - g_t)
+    d_rows_diag = up * jnp.einsum("...irs,...isk->...irk", d_diag, k_t * down,
+                                  precision=precision)
+    d_k_diag = down * jnp.einsum("z...irs,z...irk->...isk", d_diag, rows_t * up,
+                                 precision=precision)
+  d_rows = (d_rows + d_rows_diag).reshape(rows.shape)
+  d_k = d_k.reshape(k.shape) + d_k_diag.reshape(k.shape)
+  d_g = jnp.sum(rows * d_rows, axis=0) - k * d_k
+  return d_rows, d_k, d_g
+
+
+def chunk_parts_vjp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                    m: jax.Array, cotangents: tuple[jax.Array, ...], *, scale: float,
+                    segment_ids: jax.Array | None, gate_bound: float | None,
+                    precision=_HIGHEST) -> tuple[jax.Array, ...]:
+  """Hand-written VJP of `chunk_parts` (>= fp32), given M = (I + L)^{-1} [B, H, N, C, C].
+
+  With the UT transform's inverse given (from the forward kernel, or `_ut_solve(L, I)`), no
+  triangular solve runs: dM = dW K_d^T + dU (beta V)^T, dL = -M^T dM M^T, dK_d = M^T dW,
+  d(beta V) = M^T dU; the intra-chunk matrices go through `_intra_chunk_vjp`; the decays' G
+  gradients are summed and turned into dg by a reverse cumsum within the chunk (G = cumsum g).
+
+  Returns:
+    (dq, dk, dv, dg, dbeta) in the inputs' shapes and dtypes.
+  """
+  f32 = jnp.promote_types(q.dtype, jnp.float32)
+  d_qd, d_w, d_u, d_kg, d_aqk, d_dec = (x.astype(f32) for x in cotangents)
+  t = q.shape[1]
+  pad = -t % CHUNK
+  n = (t + pad) // CHUNK
+  qc, kc, vc, gc, bc = (_to_chunks(_pad_time(x.astype(f32), pad)) for x in (q, k, v, g, beta))
+  floor_grad = None
+  if gate_bound is None:
+    floor_grad = gc > LOG_DECAY_FLOOR
+    gc = jnp.maximum(gc, LOG_DECAY_FLOOR)
+  G = jnp.cumsum(gc, axis=-2)
+  g_last = G[..., -1:, :]
+  pos = jnp.arange(CHUNK)
+  causal = pos[:, None] >= pos[None, :]
+  strict = pos[:, None] > pos[None, :]
+  ones = jnp.ones(qc.shape[:-1], bool)
+  same, first, last, whole = causal, ones, ones, ones[..., 0]
+  if segment_ids is not None:
+    same, first, last, whole = _segment_masks(_pad_time(segment_ids, pad, "edge"), n)
+    same = jnp.logical_and(same, causal)
+  first, last = first[..., None], last[..., None]
+  m = m.astype(f32)
+  e_g = jnp.exp(G)
+  k_decayed = jnp.where(first, bc[..., None] * kc * e_g, 0)
+  beta_v = bc[..., None] * vc
+  e_to_end = jnp.exp(g_last - G)
+
+  mt = jnp.swapaxes(m, -1, -2)
+  mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b, precision=precision)
+  d_m = (jnp.einsum("...ck,...jk->...cj", d_w, k_decayed, precision=precision)
+         + jnp.einsum("...cv,...jv->...cj", d_u, beta_v, precision=precision))
+  d_kd = mm(mt, d_w)
+  d_beta_v = mm(mt, d_u)
+  d_l = -mm(mm(mt, d_m), mt)
+  d_a = jnp.stack([jnp.where(jnp.logical_and(same, causal), d_aqk, 0),
+                   jnp.where(jnp.logical_and(same, strict), d_l, 0)])
+  rows = jnp.stack([qc * scale, bc[..., None] * kc])
+  d_rows, d_kc, d_G = _intra_chunk_vjp(rows, kc, G, d_a, gate_bound, precision)
+
+  d_qc = scale * d_rows[0] + jnp.where(first, scale * e_g * d_qd, 0)
+  d_kc = (d_kc + bc[..., None] * d_rows[1] + jnp.where(first, bc[..., None] * e_g * d_kd, 0)
+          + jnp.where(last, e_to_end * d_kg, 0))
+  d_bc = (jnp.sum(kc * d_rows[1], axis=-1) + jnp.sum(jnp.where(first, kc * e_g * d_kd, 0), -1)
+          + jnp.sum(vc * d_beta_v, axis=-1))
+  d_vc = bc[..., None] * d_beta_v
+  k_to_end = jnp.where(last, kc * e_to_end, 0)
+  d_G = (d_G + jnp.where(first, qc * scale * e_g * d_qd + k_decayed * d_kd, 0)
+         - k_to_end * d_kg)
+  d_g_last = (jnp.sum(k_to_end * d_kg, axis=-2)
+              + jnp.where(whole[..., None], jnp.exp(g_last[..., 0, :]) * d_dec, 0))
+  d_G = d_G.at[..., -1, :].add(d_g_last)
+  d_gc = jnp.flip(jnp.cumsum(jnp.flip(d_G, -2), axis=-2), -2)
+  if floor_grad is not None:
+    d_gc = jnp.where(floor_grad, d_gc, 0)
+
+  def unchunk(x, like):
+    b, h = x.shape[:2]
+    x = jnp.moveaxis(x, 1, 3).reshape(b, n * CHUNK, h, *x.shape[4:])
+    return x[:, :t].astype(like.dtype)
+  return (unchunk(d_qc, q), unchunk(d_kc, k), unchunk(d_vc, v), unchunk(d_gc, g),
+          unchunk(d_bc, beta))
+
+
 def chunk_parts_cotangents(w, u, s_in, d_s, d_v_new, d_o,
                            precision=_HIGHEST) -> tuple[jax.Array, ...]:
   """Cotangents of `chunk_parts`' outputs from the state walks of a kernel backward.

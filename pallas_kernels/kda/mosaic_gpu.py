@@ -73,7 +73,7 @@ HEAD_DIMS = (64, 128)
 SCAN_DIM = 128             # K for which the intra kernel scans g itself (one thread per channel)
 MAX_GRID = 65535           # CUDA's limit on the grid's y and z extents
 MID, SPLIT, LAST = 15, 31, 63   # rows of G used as per-channel anchors
-BACKWARDS = ("chunked", "kernel")
+BACKWARDS = ("chunked", "kernel", "kernel_intra")
 
 _WG = plgpu.Layout.WGMMA
 _ROW = _WG.reduce(1)       # one value per row of a WGMMA-layout array
@@ -541,9 +541,10 @@ def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v, backw
 def _kda_bwd(scale, interpret, block_v, backward, res, cot):
   """The kernel backward or the VJP of the chunked JAX tier (see module doc)."""
   q, k, v, g, beta, h0, segment_ids = res
-  if backward == "kernel":
+  if backward in ("kernel", "kernel_intra"):
     grads = mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, *cot, scale=scale,
-                                    interpret=interpret, block_v=block_v)
+                                    interpret=interpret, block_v=block_v,
+                                    parts="kernel" if backward == "kernel_intra" else "xla")
     return (*grads, None)
 
   def f(q, k, v, g, beta, h0):
@@ -574,7 +575,9 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
     block_v: value columns per CTA of the serial kernel, 64 or 32 (more CTAs
       for small B * H); None picks with `pick_block_v`.
     backward: "kernel" (default: `mosaic_gpu_bwd`, Mosaic GPU state walks plus batched XLA
-      einsums) or "chunked" (VJP of the chunked JAX tier, fp32 HIGHEST).
+      einsums), "kernel_intra" (the same walks; the chunk-parallel part from the forward's
+      intra kernel with a hand-written VJP, `mosaic_gpu_bwd.backward(parts="kernel")`; not yet
+      timed on a GPU) or "chunked" (VJP of the chunked JAX tier, fp32 HIGHEST).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).

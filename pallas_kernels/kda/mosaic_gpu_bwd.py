@@ -19,16 +19,21 @@ The backward, fla's recompute scheme:
   3. XLA, batched einsums over chunks (no scan):
        dQ_d = dO S_n^T, dW = -dV_new S_n^T, dU = dV_new, dA_qk = dO V_new^T,
        dK_g = V_new dS^T, dd = rowsum(S_n * dS),
-     then the VJP of `chunk_parts` (autodiff of batched einsums, the UT solve
-     and the cumsum: the intra-chunk gradients to dq, dk, dv, dg, dbeta).
+     then the VJP of the parts, one of two ways (`backward(parts=...)`):
+       "xla": `chunk_parts` recomputed in fp32 and differentiated by JAX (autodiff of batched
+         einsums, the UT triangular solve and the cumsum);
+       "kernel": the parts and M = (I + L)^{-1} from the forward's intra kernel (bf16), W and
+         U as M products, and the hand-written `chunked.chunk_parts_vjp` (no solve).
 Tensor-core operands are bf16 with fp32 accumulation; the state and its
 gradient stay fp32 in registers (bf16 copies in SMEM as operands). In interpret
 mode the products' initial values are added after the product (see mosaic_gpu).
 Extra memory: S_n and dS, fp32 [B, H, N, K, V] each (fla keeps h too).
 Measured (interpreter, bf16 inputs, B=1, H=2, T in {64, 130}, K=V in {64, 128},
-segments and initial state): relative RMS gradient errors <= 3e-3 against the
-fp64 recurrence. Lowering for CUDA (`jax.export(..., platforms=("cuda",))`)
-succeeds on CPU; compiled, the same tests (and larger shapes) pass on an H200.
+segments and initial state): relative RMS gradient errors <= 3e-3 (parts="xla") and
+<= 4e-3 (parts="kernel") against the fp64 recurrence. Compiled on an H200, parts="xla" passes
+the same tests and larger shapes (2026-11-30): at B=1, T=8192, H=32 its backward takes 10.4 ms,
+of which the walk kernels 0.9 ms and the XLA parts the rest (`benchmarks/kda_parts.py`).
+parts="kernel" has not run on a GPU yet.
 
 `mosaic_gpu` imports this module and this module imports `mosaic_gpu`: use
 `fwd.` names only inside functions.
@@ -191,9 +196,27 @@ def dstates_kernel(qd, wn, kg, aqk, dec, do, dsf, cfg, interpret):
   return call(qd, wn, kg, aqk, dec, do, dsf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v", "precision"))
+def _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision):
+  """`chunk_parts`' outputs and M = (I + L)^{-1} from the forward's intra kernel (bf16).
+
+  W = M K_d and U = M diag(beta) V are formed by XLA (bf16 operands, fp32 accumulation).
+  """
+  qp, kp, gp, vp, beta_t, counts, _ = fwd.prepare(q, k, v, g, beta, None, segment_ids)
+  qd, kdn, kg, aqk, m, dec = fwd.intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
+  b, h, t, c = m.shape
+  chunks = lambda x: x.reshape(b, h, t // c, c, x.shape[-1])
+  beta_v = (chunked._to_chunks(vp.astype(_F32))
+            * beta_t.reshape(b, h, t // c, c)[..., None]).astype(_BF16)
+  mix = lambda x: jnp.einsum("bhncj,bhnjx->bhncx", chunks(m), x, precision=precision,
+                             preferred_element_type=_F32)
+  w = -mix(chunks(kdn))
+  return (chunks(qd), w, mix(beta_v), chunks(kg), chunks(aqk), dec), chunks(m)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("scale", "interpret", "block_v", "precision", "parts"))
 def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, interpret,
-             block_v: int, precision=PRECISION) -> tuple[jax.Array, ...]:
+             block_v: int, precision=PRECISION, parts: str = "xla") -> tuple[jax.Array, ...]:
   """Gradients (dq, dk, dv, dg, dbeta, dh0) of (o, final state) given their cotangents.
 
   Args:
@@ -201,12 +224,23 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
     d_o [B, T, H, V]; d_final [B, H, K, V].
     scale, interpret, block_v: as in `mosaic_gpu.forward`.
     precision: of the XLA einsums (`PRECISION`).
+    parts: "xla" (`chunk_parts` recomputed in fp32 and differentiated by JAX) or "kernel" (its
+      outputs and M from the forward's intra kernel, differentiated by
+      `chunked.chunk_parts_vjp`: no triangular solve, no autodiff).
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
-  parts, parts_vjp = jax.vjp(
-      functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids, precision=precision),
-      q, k, v, g, beta)
-  qd, w, u, kg, aqk, dec = parts
+  if parts == "kernel":
+    parts_out, m = _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision)
+    parts_vjp = lambda d: chunked.chunk_parts_vjp(
+        q, k, v, g, beta, m, d, scale=scale, segment_ids=segment_ids,
+        gate_bound=fwd.GATE_BOUND, precision=precision)
+  elif parts == "xla":
+    parts_out, parts_vjp = jax.vjp(
+        functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids,
+                          precision=precision), q, k, v, g, beta)
+  else:
+    raise ValueError(f"parts must be 'xla' or 'kernel', got {parts!r}")
+  qd, w, u, kg, aqk, dec = parts_out
   b, h, n, c, _ = qd.shape
 
   def tokens(x, dtype):
@@ -220,5 +254,5 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
                                 d_final.astype(_F32), cfg, interp)
   dvn = dvn.reshape(b, h, n, c, -1)
   doc = chunked._to_chunks(do_p.astype(_F32))
-  d_parts = chunked.chunk_parts_cotangents(w, u, s_in, ds, dvn, doc, precision)
+  d_parts = chunked.chunk_parts_cotangents(w.astype(_F32), u, s_in, ds, dvn, doc, precision)
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))

@@ -84,3 +84,61 @@ def test_gate_at_the_bound(x64):
                                     with_initial_state=True)
   inputs["g"] = jnp.full_like(inputs["g"], -5.0).at[:, ::7].set(-1e-6)
   _compare(inputs, 128 ** -0.5, -5.0)
+
+
+def ut_inverse_fp64(k, g, beta, segment_ids, chunk=chunked.CHUNK) -> np.ndarray:
+  """M = (I + L)^{-1} per chunk in numpy fp64, L_rj = beta_r sum_c k_rc k_jc e^{G_rc - G_jc}
+  for j < r in one segment (report Eq. 6), from the pairwise decays: [B, H, N, C, C]."""
+  k, g, beta = (np.asarray(a, np.float64) for a in (k, g, beta))
+  b, t, h, _ = k.shape
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  k = np.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  g = np.pad(g, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  beta = np.pad(beta, ((0, 0), (0, pad), (0, 0)))
+  ids = np.zeros((b, t), np.int64) if segment_ids is None else np.asarray(segment_ids)
+  ids = np.pad(ids, ((0, 0), (0, pad)), mode="edge")
+  m = np.zeros((b, h, n, chunk, chunk))
+  for bi in range(b):
+    for hi in range(h):
+      for ni in range(n):
+        sl = slice(ni * chunk, (ni + 1) * chunk)
+        kk, bb, cur = k[bi, sl, hi], beta[bi, sl, hi], ids[bi, sl]
+        G = np.cumsum(g[bi, sl, hi], axis=0)
+        starts = np.concatenate([[0], (cur[1:] != cur[:-1]).astype(int)]).cumsum()
+        lower = np.zeros((chunk, chunk))
+        for r in range(chunk):
+          for j in range(r):
+            if starts[r] == starts[j]:
+              lower[r, j] = bb[r] * np.sum(kk[r] * kk[j] * np.exp(G[r] - G[j]))
+        m[bi, hi, ni] = np.linalg.inv(np.eye(chunk) + lower)
+  return m
+
+
+@pytest.mark.parametrize("t, h, dk, dv, gate_bound, with_segments", [
+    (100, 2, 64, 128, -5.0, True),
+    (64, 1, 128, 64, -5.0, False),
+    (130, 1, 64, 64, None, True),
+])
+def test_chunk_parts_vjp_matches_autodiff(x64, t, h, dk, dv, gate_bound, with_segments):
+  """The hand-written VJP of `chunk_parts` (given M) equals JAX's autodiff of it, in fp64."""
+  gate = "bounded" if gate_bound is not None else "unbounded"
+  x = reference.example_inputs(jax.random.key(t + dk), 1, t, h, dk, dv, gate=gate,
+                               with_initial_state=False)
+  x = {n: jnp.asarray(np.asarray(a, np.float64)) for n, a in x.items() if a is not None}
+  if gate_bound is None:
+    x["g"] = x["g"].at[:, 5, :, :3].set(-1000.0)     # below LOG_DECAY_FLOOR: no gradient
+  sid = None
+  if with_segments:
+    sid = jnp.asarray(np.repeat([[1, 2, 3]], [40, 30, t - 70], axis=1).astype(np.int32))
+  args = tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
+  kw = dict(scale=dk ** -0.5, segment_ids=sid, gate_bound=gate_bound)
+  parts, vjp = jax.vjp(functools.partial(chunked.chunk_parts, dt=jnp.float64, **kw), *args)
+  rng = np.random.default_rng(t)
+  cot = tuple(jnp.asarray(rng.standard_normal(p.shape)) for p in parts)
+  want = vjp(cot)
+  m = jnp.asarray(ut_inverse_fp64(x["k"], x["g"], x["beta"], sid))
+  got = chunked.chunk_parts_vjp(*args, m, cot, **kw)
+  for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    assert rel_err(a, b) < 1e-9, (name, rel_err(a, b))

@@ -1,4 +1,4 @@
-"""Mosaic GPU KDA backward (backward="kernel") vs autodiff of the fp64 recurrence.
+"""Mosaic GPU KDA backwards ("kernel", "kernel_intra") vs autodiff of the fp64 recurrence.
 
 On CPU the kernels run in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
 With K3JAX_KDA_TEST_ON_DEVICE=1 they are compiled for the (Hopper) GPU instead
@@ -59,8 +59,9 @@ if ON_DEVICE:
   CASES += [(2, 1000, 4, 128, 128, True, 64, BF16), (1, 4096, 2, 128, 64, False, 32, BF16)]
 
 
+@pytest.mark.parametrize("backward", ["kernel", "kernel_intra"])
 @pytest.mark.parametrize("b, t, h, dk, dv, with_segments, block_v, dtype", CASES)
-def test_kernel_backward_matches_fp64(b, t, h, dk, dv, with_segments, block_v, dtype):
+def test_kernel_backward_matches_fp64(b, t, h, dk, dv, with_segments, block_v, dtype, backward):
   x = reference.example_inputs(jax.random.key(t + dk + dv), b, t, h, dk, dv, gate="bounded",
                                with_initial_state=True)
   x = {n: (a.astype(dtype) if n in ("q", "k", "v") else a) for n, a in x.items()}
@@ -73,7 +74,7 @@ def test_kernel_backward_matches_fp64(b, t, h, dk, dv, with_segments, block_v, d
     return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
                                            output_final_state=True, segment_ids=sid,
                                            interpret=INTERPRET, block_v=block_v,
-                                           backward="kernel")
+                                           backward=backward)
 
   _, vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
   grads = vjp(cot)[0]
