@@ -59,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.kda import chunked
+from pallas_kernels.kda import kernel_vjp
 from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
 
@@ -185,6 +185,29 @@ class _Mma:
 
   def product(self, shape, pairs, init=None) -> jax.Array:
     return self.products((shape, pairs, init))[0]
+
+
+def _walk(num_chunks: int, fetch, bars, body, init, reverse: bool = False):
+  """Walks the chunks in order (or in reverse) with their inputs double-buffered by TMA.
+
+  fetch(n, slot) issues the copies of chunk n into buffer `slot` (arriving on bars[slot]);
+  body(n, slot, carry) -> carry runs once they have landed, while chunk n + 1's copies fly.
+  """
+  chunk = (lambda i: num_chunks - 1 - i) if reverse else (lambda i: i)
+  fetch(chunk(0), 0)
+
+  def step(i, carry):
+    slot = lax.rem(i, 2)
+    plgpu.commit_smem()               # this thread's reads of the other slot are done
+
+    @pl.when(i + 1 < num_chunks)
+    def _():
+      fetch(chunk(i + 1), 1 - slot)
+
+    plgpu.barrier_wait(bars.at[slot])
+    return body(chunk(i), slot, carry)
+
+  return lax.fori_loop(0, num_chunks, step, init)
 
 
 def _intra_body(cfg: _Config, q_ref, k_ref, g_ref, beta_ref, cnt_ref,
@@ -364,17 +387,8 @@ def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v
 
   s0 = _load(h0_ref.at[b, h, :, vcols])
   s_s[...] = s0.astype(_BF16)
-  fetch(0, 0)
 
-  def step(n, s):
-    slot = lax.rem(n, 2)
-    plgpu.commit_smem()               # this thread's reads of the other slot are done
-
-    @pl.when(n + 1 < cfg.num_chunks)
-    def _():
-      fetch(n + 1, 1 - slot)
-
-    plgpu.barrier_wait(bars.at[slot])
+  def step(n, slot, s):
     bv_init = _load(v_s.at[slot]).astype(_F32) * _rows(_load(beta_s.at[slot], _ROW), (c, bv))
     decay = _rows(_load(dec_s.at[slot], _ROW), (kd, bv))
     x, o_part = mma.products(((c, bv), [(kd_s.at[slot], s_s)], bv_init),
@@ -393,7 +407,7 @@ def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v
     plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, vcols])
     return s
 
-  s = lax.fori_loop(0, cfg.num_chunks, step, s0)
+  s = _walk(cfg.num_chunks, fetch, bars, step, s0)
   final_ref.at[b, h, :, vcols][...] = s
   plgpu.wait_smem_to_gmem(0)
 
@@ -524,39 +538,22 @@ def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, inter
   return o[:, :q.shape[1]].astype(q.dtype), s
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _kda(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v, backward):
-  del backward
-  return forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret,
-                 block_v=block_v)
+def _kernel_backward(parts: str):
+  """`mosaic_gpu_bwd.backward` as a `kernel_vjp` backward; options (scale, interpret, block_v,
+  name)."""
+  def bwd(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options):
+    scale, interpret, block_v, _ = options
+    return mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=scale,
+                                   interpret=interpret, block_v=block_v, parts=parts)
+  return bwd
 
 
-def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, interpret, block_v, backward):
-  del backward
-  out = forward(q, k, v, g, beta, h0, segment_ids, scale=scale, interpret=interpret,
-                block_v=block_v)
-  return out, (q, k, v, g, beta, h0, segment_ids)
-
-
-def _kda_bwd(scale, interpret, block_v, backward, res, cot):
-  """The kernel backward or the VJP of the chunked JAX tier (see module doc)."""
-  q, k, v, g, beta, h0, segment_ids = res
-  if backward in ("kernel", "kernel_intra"):
-    grads = mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, *cot, scale=scale,
-                                    interpret=interpret, block_v=block_v,
-                                    parts="kernel" if backward == "kernel_intra" else "xla")
-    return (*grads, None)
-
-  def f(q, k, v, g, beta, h0):
-    o, s = chunked.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
-                             segment_ids=segment_ids, gate_bound=GATE_BOUND)
-    return o, s.astype(_F32)
-
-  _, vjp = jax.vjp(f, q, k, v, g, beta, h0)
-  return (*vjp(cot), None)
-
-
-_kda.defvjp(_kda_fwd, _kda_bwd)
+_kda = kernel_vjp.kernel_op(
+    lambda q, k, v, g, beta, h0, segment_ids, options: forward(
+        q, k, v, g, beta, h0, segment_ids, scale=options[0], interpret=options[1],
+        block_v=options[2]),
+    {"kernel": _kernel_backward("xla"), "kernel_intra": _kernel_backward("kernel")},
+    GATE_BOUND)
 
 
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
@@ -596,6 +593,6 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
   h0 = initial_state
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
-  o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids, float(scale), interpret,
-              block_v, backward)
+  o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids,
+              (float(scale), interpret, block_v, backward))
   return o, (s if output_final_state else None)

@@ -82,17 +82,8 @@ def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
 
   s0 = fwd._load(h0_ref.at[b, h, :, vcols])
   s_s[...] = s0.astype(_BF16)
-  fetch(0, 0)
 
-  def step(n, s):
-    slot = lax.rem(n, 2)
-    plgpu.commit_smem()               # this thread's reads of the other slot are done
-
-    @pl.when(n + 1 < cfg.num_chunks)
-    def _():
-      fetch(n + 1, 1 - slot)
-
-    plgpu.barrier_wait(bars.at[slot])
+  def step(n, slot, s):
     h_ref.at[b, h, n, :, vcols][...] = s
     x = mma.product((c, bv), [(wn_s.at[slot], s_s)], fwd._load(u_s.at[slot]))   # V_new
     x_s[...] = x.astype(_BF16)
@@ -102,7 +93,7 @@ def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
     s_s[...] = s.astype(_BF16)
     return s
 
-  lax.fori_loop(0, cfg.num_chunks, step, s0)
+  fwd._walk(cfg.num_chunks, fetch, bars, step, s0)
 
 
 def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref,
@@ -126,17 +117,8 @@ def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref
 
   ds0 = fwd._load(dsf_ref.at[b, h, :, vcols])
   ds_s[...] = ds0.astype(_BF16)
-  fetch(nc - 1, 0)
 
-  def step(i, ds):
-    n, slot = nc - 1 - i, lax.rem(i, 2)
-    plgpu.commit_smem()
-
-    @pl.when(i + 1 < nc)
-    def _():
-      fetch(n - 1, 1 - slot)
-
-    plgpu.barrier_wait(bars.at[slot])
+  def step(n, slot, ds):
     ds_ref.at[b, h, n, :, vcols][...] = ds
     decay = fwd._rows(fwd._load(dec_s.at[slot], fwd._ROW), (kd, bv))
     do = do_s.at[slot]
@@ -150,7 +132,7 @@ def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref
     ds_s[...] = ds.astype(_BF16)
     return ds
 
-  ds = lax.fori_loop(0, nc, step, ds0)
+  ds = fwd._walk(nc, fetch, bars, step, ds0, reverse=True)
   dh0_ref.at[b, h, :, vcols][...] = ds
 
 

@@ -53,6 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from pallas_kernels.kda import chunked
+from pallas_kernels.kda import kernel_vjp
 from pallas_kernels.kda import reference
 
 GATE_BOUND = -5.0
@@ -378,40 +379,17 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float,
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _kda(q, k, v, g, beta, h0, segment_ids, scale, chunk_size, interpret, bwd_impl):
-  del bwd_impl
-  return forward(q, k, v, g, beta, h0, segment_ids, scale=scale, chunk_size=chunk_size,
-                 interpret=interpret)
+def _kernel_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options):
+  """`backward` as a `kernel_vjp` backward; options (scale, chunk_size, interpret, name)."""
+  return backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=options[0],
+                  interpret=options[2])
 
 
-def _kda_fwd(q, k, v, g, beta, h0, segment_ids, scale, chunk_size, interpret, bwd_impl):
-  del bwd_impl
-  out = forward(q, k, v, g, beta, h0, segment_ids, scale=scale, chunk_size=chunk_size,
-                interpret=interpret)
-  return out, (q, k, v, g, beta, h0, segment_ids)
-
-
-def _kda_bwd(scale, chunk_size, interpret, bwd_impl, res, cot):
-  """The kernel backward or the VJP of the chunked JAX tier (see module doc)."""
-  del chunk_size
-  q, k, v, g, beta, h0, segment_ids = res
-  do, ds = cot
-  if bwd_impl == "kernel":
-    grads = backward(q, k, v, g, beta, h0, segment_ids, do, ds, scale=scale,
-                     interpret=interpret)
-    return (*grads, None)
-
-  def f(q, k, v, g, beta, h0):
-    o, s = chunked.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
-                             segment_ids=segment_ids, gate_bound=GATE_BOUND)
-    return o, s.astype(jnp.float32)
-
-  _, vjp = jax.vjp(f, q, k, v, g, beta, h0)
-  return (*vjp((do, ds)), None)
-
-
-_kda.defvjp(_kda_fwd, _kda_bwd)
+_kda = kernel_vjp.kernel_op(
+    lambda q, k, v, g, beta, h0, segment_ids, options: forward(
+        q, k, v, g, beta, h0, segment_ids, scale=options[0], chunk_size=options[1],
+        interpret=options[2]),
+    {"kernel": _kernel_backward}, GATE_BOUND)
 
 
 def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
@@ -443,6 +421,6 @@ def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
   h0 = initial_state
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-  o, s = _kda(q, k, v, g, beta, h0.astype(jnp.float32), segment_ids, float(scale), chunk_size,
-              interpret, backward)
+  o, s = _kda(q, k, v, g, beta, h0.astype(jnp.float32), segment_ids,
+              (float(scale), chunk_size, interpret, backward))
   return o, (s if output_final_state else None)

@@ -90,3 +90,23 @@ def test_backward_argument_is_checked():
                                with_initial_state=False)
   with pytest.raises(ValueError, match="backward"):
     mosaic_gpu.chunk_kda_mosaic_gpu(*(x[n] for n in NAMES), interpret=True, backward="scan")
+
+
+@pytest.mark.parametrize("backward", ["kernel", "kernel_intra"])
+def test_forward_and_backward_lower_for_hopper(backward):
+  """Mosaic GPU lowering (layouts, TMA boxes) of every kernel of jax.grad, for CUDA, on any host."""
+  for t, dk, dv, dtype, seg in [(130, 128, 128, BF16, True), (64, 64, 128, F32, False)]:
+    sds = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
+
+    def loss(q, k, v, g, beta, h0, sid, seg=seg):
+      o, s = mosaic_gpu.chunk_kda_mosaic_gpu(q, k, v, g, beta, initial_state=h0,
+                                             output_final_state=True,
+                                             segment_ids=sid if seg else None,
+                                             backward=backward)
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    args = (sds(1, t, 2, dk), sds(1, t, 2, dk), sds(1, t, 2, dv), sds(1, t, 2, dk, d=F32),
+            sds(1, t, 2, d=F32), sds(1, 2, dk, dv, d=F32), sds(1, t, d=jnp.int32))
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 4 and "kda_dstates_mosaic_gpu" in text, backward

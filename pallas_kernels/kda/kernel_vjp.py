@@ -1,0 +1,46 @@
+"""One `jax.custom_vjp` for the KDA kernel tiers (Mosaic GPU, Mosaic TPU).
+
+A kernel tier supplies `forward(q, k, v, g, beta, h0, segment_ids, options) -> (o, S_T)` and
+a dict of backwards `name -> fn(q, k, v, g, beta, h0, segment_ids, d_o, d_S, options)`
+returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static arguments
+whose first entry is `scale` and last the backward's name. Every tier also gets "chunked":
+the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded gate), exact in fp32.
+"""
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import chunked
+
+
+def chunked_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, *,
+                     gate_bound: float) -> tuple[jax.Array, ...]:
+  """Gradients of (o, S_T) through the chunked tier (it recomputes its own per-chunk states)."""
+  def f(q, k, v, g, beta, h0):
+    o, s = chunked.chunk_kda(q, k, v, g, beta, scale=options[0], initial_state=h0,
+                             segment_ids=segment_ids, gate_bound=gate_bound)
+    return o, s.astype(jnp.float32)
+
+  _, vjp = jax.vjp(f, q, k, v, g, beta, h0)
+  return vjp((d_o, d_s))
+
+
+def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: float) -> Callable:
+  """op(q, k, v, g, beta, h0, segment_ids, options) -> (o, S_T) with the named backward."""
+  backwards = dict(backwards, chunked=functools.partial(chunked_backward, gate_bound=gate_bound))
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+  def op(q, k, v, g, beta, h0, segment_ids, options):
+    return forward(q, k, v, g, beta, h0, segment_ids, options)
+
+  def op_fwd(q, k, v, g, beta, h0, segment_ids, options):
+    return forward(q, k, v, g, beta, h0, segment_ids, options), (q, k, v, g, beta, h0,
+                                                                 segment_ids)
+
+  def op_bwd(options, res, cot):
+    return (*backwards[options[-1]](*res, *cot, options), None)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op
