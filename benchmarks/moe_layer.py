@@ -3,7 +3,8 @@ r"""The Stable LatentMoE layer at k3_small shapes: where its time goes.
 Times, in one process on the same inputs: the whole layer forward (and forward+backward) with
 each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
 default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
-permutations (top-k, sort by expert, gather, scatter-add back) without the expert matmuls; the
+permutations (top-k, the layer's `sort_by_expert`, `dispatch` and `combine`) without the expert
+matmuls; the
 three grouped matmuls alone per tier; and a dense bf16 matmul of the same FLOPs (the ceiling).
 `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
@@ -65,12 +66,9 @@ def main(argv):
     wts, ex, _ = latent_moe.route(xx, moe.gate["kernel"][...],
                                   moe.gate["e_score_correction_bias"][...],
                                   e.num_experts_per_tok, 1.0, True)
-    flat = ex.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    rows = jnp.take(zz, order // e.num_experts_per_tok, axis=0)
-    back = jnp.zeros((n * e.num_experts_per_tok, lat), jnp.float32).at[order].set(
-        rows.astype(jnp.float32) * wts.reshape(-1)[order][:, None])
-    return jnp.sum(back.reshape(n, e.num_experts_per_tok, lat), axis=1)
+    order, inverse, _ = latent_moe.sort_by_expert(ex, e.num_experts)
+    rows = latent_moe.dispatch(zz, order, inverse, e.num_experts_per_tok)
+    return latent_moe.combine(rows, wts, order, inverse)
 
   sizes = jnp.bincount(experts.reshape(-1), length=e.num_experts).astype(jnp.int32)
   rows = jax.random.normal(jax.random.key(3), (n * e.num_experts_per_tok, lat), jnp.bfloat16)

@@ -10,6 +10,7 @@ The bias b (`e_score_correction_bias`) only selects experts, never weights them,
 Quantile Balancing (`k3jax.quantile_balancing`) after each optimizer step. Dispatch is dropless:
 token copies are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`).
 """
+import functools
 from typing import Callable
 
 import jax
@@ -67,6 +68,7 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
   matmuls; `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be
   replaced by a grouped-matmul kernel. The routing weight is applied after W2 (late routing
   weights); copies are un-permuted and summed over k in fp32 (no capacity, no drop).
+  `dispatch` and `combine` are the permutations, with gather-only VJPs.
   """
   n_tok, lat = z.shape
   num_experts = w1.shape[0]
@@ -78,16 +80,75 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
     raise ValueError(f"expected w1, w3 [E, {lat}, m] and w2 [E, m, {lat}], got {w1.shape}, "
                      f"{w3.shape}, {w2.shape}")
   top_k = experts.shape[1]
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  xs = z[order // top_k]
+  order, inverse, group_sizes = sort_by_expert(experts, num_experts)
+  xs = dispatch(z, order, inverse, top_k)
   h = situ_lib.situ(ragged_dot(xs, w1, group_sizes), ragged_dot(xs, w3, group_sizes),
                     beta1, beta2)
-  out = ragged_dot(h, w2, group_sizes).astype(jnp.float32)
-  out = out * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+  return combine(ragged_dot(h, w2, group_sizes), weights, order, inverse).astype(z.dtype)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:
+  """experts [N, k] -> (order, inverse [N*k] int32, group_sizes [E] int32).
+
+  `order` lists the N*k token copies (n k + j) grouped by expert, stably; `inverse` undoes it.
+  """
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-  return jnp.sum(out[inverse].reshape(n_tok, top_k, lat), axis=1).astype(z.dtype)
+  return order, inverse, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch(z: jax.Array, order: jax.Array, inverse: jax.Array, top_k: int) -> jax.Array:
+  """Token copies in expert order: z [N, l] -> xs [N*k, l], xs[p] = z[order[p] // k].
+
+  `order` sorts the N*k copies by expert and `inverse` undoes it. The VJP gathers instead of
+  JAX's scatter-add: dz[n] = sum_j dxs[inverse[n k + j]].
+  """
+  return z[order // top_k]
+
+
+def _dispatch_fwd(z, order, inverse, top_k):
+  return dispatch(z, order, inverse, top_k), inverse
+
+
+def _dispatch_bwd(top_k, inverse, d_xs):
+  d_z = jnp.sum(d_xs[inverse].reshape(-1, top_k, d_xs.shape[-1]).astype(jnp.float32), axis=1)
+  return d_z.astype(d_xs.dtype), None, None
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def combine(out: jax.Array, weights: jax.Array, order: jax.Array,
+            inverse: jax.Array) -> jax.Array:
+  """Weighted sum of each token's copies back in token order, fp32 (late routing weights).
+
+  out [N*k, l] in expert order, weights [N, k] -> u [N, l], u[n] = sum_j weights[n, j]
+  out[inverse[n k + j]]. The VJP gathers: dout[p] = weights.flat[order[p]] du[order[p] // k].
+  """
+  n_tok, top_k = weights.shape
+  copies = out[inverse].reshape(n_tok, top_k, out.shape[-1])
+  return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32), copies,
+                    preferred_element_type=jnp.float32)
+
+
+def _combine_fwd(out, weights, order, inverse):
+  return combine(out, weights, order, inverse), (out, weights, order, inverse)
+
+
+def _combine_bwd(res, d_u):
+  out, weights, order, inverse = res
+  n_tok, top_k = weights.shape
+  rows = order // top_k
+  d_out = weights.reshape(-1)[order].astype(jnp.float32)[:, None] * d_u[rows]
+  copies = out[inverse].reshape(n_tok, top_k, out.shape[-1])
+  d_w = jnp.einsum("nl,nkl->nk", d_u, copies, preferred_element_type=jnp.float32)
+  return d_out.astype(out.dtype), d_w.astype(weights.dtype), None, None
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def update_bias(bias: jax.Array, aux: dict[str, jax.Array], *, method: str, top_k: int,
