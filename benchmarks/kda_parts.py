@@ -3,7 +3,8 @@ r"""Where the time of the Mosaic GPU KDA forward and kernel backward goes, part 
 Each part in its own jit on the inputs of `benchmarks.kda` (B=1, T=8192, K=V=128, bf16 q, k, v):
 the L2 norm of q and k, the forward kernels, and the backward's pieces (`mosaic_gpu_bwd`):
 `chunk_parts` and its VJP (XLA), the two state-walk kernels, `chunk_parts_cotangents` (XLA),
-the intra kernel's parts and the hand-written `chunked.chunk_parts_vjp` (parts="kernel"), and
+the intra kernel's parts, their VJP as the `mosaic_gpu_bwd_intra` kernel (parts="kernel") and
+as its pure-JAX form `chunked.chunk_parts_vjp`, and
 the whole backward both ways, with the XLA einsums at HIGHEST (fp32) and DEFAULT (TF32).
 Run: `python3 -m benchmarks.kda_parts --parts_out=$OUT/kda_parts_h200.json` (records: op
 "kda_parts", part, B, T, H, median_ms, device, date).
@@ -19,6 +20,7 @@ from k3jax.kda import l2_normalize
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import mosaic_gpu_bwd
+from pallas_kernels.kda import mosaic_gpu_bwd_intra
 
 _OUT = flags.DEFINE_string("parts_out", "", "If set, the records are merged into this JSON list.")
 _SHAPES = flags.DEFINE_list("parts_shapes", ["1x8192x32"], "BxTxH, comma separated.")
@@ -84,6 +86,11 @@ def parts_of(b, t, h):
     ms[f"parts_from_kernel_{name}"] = common.time_jax(
         jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd._parts_from_kernel(
             *a, None, cfg, interp, prec)), q, k, v, g, beta)
+    if name == "highest":
+      ms["chunk_parts_vjp_kernel"] = common.time_jax(
+          jax.jit(lambda *a: mosaic_gpu_bwd_intra.parts_vjp(
+              *a[:6], a[6], scale=scale, segment_ids=None, interpret=interpret)),
+          q, k, v, g, beta, m, tuple(jnp.ones_like(p) for p in parts_k))
     ms[f"chunk_parts_vjp_{name}"] = common.time_jax(
         jax.jit(lambda *a, prec=prec: chunked.chunk_parts_vjp(
             *a[:6], a[6], scale=scale, segment_ids=None, gate_bound=-5.0, precision=prec)),

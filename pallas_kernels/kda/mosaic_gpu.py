@@ -187,6 +187,20 @@ class _Mma:
     return self.products((shape, pairs, init))[0]
 
 
+def _cumsum_rows(g_s) -> None:
+  """G = cumsum of g [C, K] fp32 in SMEM over rows, in place; one thread per key channel."""
+  rows, kd = g_s.shape
+  line = plgpu.Layout.WG_STRIDED((kd,), vec_size=1)
+
+  def scan_step(r, acc):
+    acc = acc + _load(g_s.at[r], line)
+    g_s.at[r][...] = acc
+    return acc
+
+  lax.fori_loop(0, rows, scan_step, plgpu.layout_cast(jnp.zeros((kd,), _F32), line))
+  plgpu.commit_smem()
+
+
 def _walk(num_chunks: int, fetch, bars, body, init, reverse: bool = False):
   """Walks the chunks in order (or in reverse) with their inputs double-buffered by TMA.
 
@@ -231,16 +245,8 @@ def _intra_body(cfg: _Config, q_ref, k_ref, g_ref, beta_ref, cnt_ref,
   if cfg.has_segments:
     plgpu.copy_gmem_to_smem(cnt_ref.at[b, tok], cnt_s, bar)
   plgpu.barrier_wait(bar)
-  if cfg.scan:                        # G = cumsum(g), one thread per key channel
-    line = plgpu.Layout.WG_STRIDED((kd,), vec_size=1)
-
-    def scan_step(r, acc):
-      acc = acc + _load(g_s.at[r], line)
-      g_s.at[r][...] = acc
-      return acc
-
-    lax.fori_loop(0, c, scan_step, plgpu.layout_cast(jnp.zeros((kd,), _F32), line))
-    plgpu.commit_smem()
+  if cfg.scan:
+    _cumsum_rows(g_s)
 
   beta = _rows(_load(beta_s, _ROW), half)
   first = last = None
@@ -572,9 +578,9 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
     block_v: value columns per CTA of the serial kernel, 64 or 32 (more CTAs
       for small B * H); None picks with `pick_block_v`.
     backward: "kernel" (default: `mosaic_gpu_bwd`, Mosaic GPU state walks plus batched XLA
-      einsums), "kernel_intra" (the same walks; the chunk-parallel part from the forward's
-      intra kernel with a hand-written VJP, `mosaic_gpu_bwd.backward(parts="kernel")`; not yet
-      timed on a GPU) or "chunked" (VJP of the chunked JAX tier, fp32 HIGHEST).
+      einsums), "kernel_intra" (the same walks; the chunk-parallel part and its VJP as kernels,
+      `mosaic_gpu_bwd.backward(parts="kernel")`; not yet run on a GPU) or "chunked" (VJP of
+      the chunked JAX tier, fp32 HIGHEST).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).

@@ -23,7 +23,8 @@ The backward, fla's recompute scheme:
        "xla": `chunk_parts` recomputed in fp32 and differentiated by JAX (autodiff of batched
          einsums, the UT triangular solve and the cumsum);
        "kernel": the parts and M = (I + L)^{-1} from the forward's intra kernel (bf16), W and
-         U as M products, and the hand-written `chunked.chunk_parts_vjp` (no solve).
+         U as M products, and their VJP in the `mosaic_gpu_bwd_intra` kernel (the hand-written
+         `chunked.chunk_parts_vjp` as a kernel; no solve, no autodiff).
 Tensor-core operands are bf16 with fp32 accumulation; the state and its
 gradient stay fp32 in registers (bf16 copies in SMEM as operands). In interpret
 mode the products' initial values are added after the product (see mosaic_gpu).
@@ -48,6 +49,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import mosaic_gpu as fwd
+from pallas_kernels.kda import mosaic_gpu_bwd_intra
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -207,15 +209,14 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
     scale, interpret, block_v: as in `mosaic_gpu.forward`.
     precision: of the XLA einsums (`PRECISION`).
     parts: "xla" (`chunk_parts` recomputed in fp32 and differentiated by JAX) or "kernel" (its
-      outputs and M from the forward's intra kernel, differentiated by
-      `chunked.chunk_parts_vjp`: no triangular solve, no autodiff).
+      outputs and M from the forward's intra kernel, differentiated by the
+      `mosaic_gpu_bwd_intra` kernel, whose pure-JAX oracle is `chunked.chunk_parts_vjp`).
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
   if parts == "kernel":
     parts_out, m = _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision)
-    parts_vjp = lambda d: chunked.chunk_parts_vjp(
-        q, k, v, g, beta, m, d, scale=scale, segment_ids=segment_ids,
-        gate_bound=fwd.GATE_BOUND, precision=precision)
+    parts_vjp = lambda d: mosaic_gpu_bwd_intra.parts_vjp(
+        q, k, v, g, beta, m, d, scale=scale, segment_ids=segment_ids, interpret=interpret)
   elif parts == "xla":
     parts_out, parts_vjp = jax.vjp(
         functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids,

@@ -12,13 +12,9 @@ from pallas_kernels.kda import api
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda import fused_recurrent_kda
 from pallas_kernels.kda import reference
+from kda_testing import rel_err
 
 GOLDEN_DIR = pathlib.Path(__file__).parents[1] / "golden"
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def _inputs(with_initial_state: bool = True):

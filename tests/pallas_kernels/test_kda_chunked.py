@@ -8,16 +8,12 @@ import pytest
 
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import reference
+from kda_testing import rel_err
 
 # Relative RMS error bound ||x - ref|| / ||ref|| for fp32 inputs, for o, the
 # final state and the gradients w.r.t. q, k, v, g, beta, h0. fla's are 5e-3
 # (o, state), 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta); we measure <= 1e-6.
 TOL = 1e-5
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 @pytest.fixture

@@ -3,16 +3,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import reference
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+from kda_testing import rel_err
 
 
 @functools.partial(jax.jit, static_argnames=("gate_bound",))

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import reference
+from kda_testing import rel_err, segments
 
 ON_DEVICE = os.environ.get("K3JAX_KDA_TEST_ON_DEVICE") == "1"
 INTERPRET = not ON_DEVICE
@@ -22,17 +23,6 @@ TOL = 5e-3
 
 if ON_DEVICE and not any(d.platform == "gpu" for d in jax.devices()):
   pytest.skip("K3JAX_KDA_TEST_ON_DEVICE=1 needs a GPU", allow_module_level=True)
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def segments(t: int, b: int = 1) -> jax.Array:
-  """Boundaries inside chunk 0 (token 40) and on the chunk start 64; the rest one document."""
-  row = np.concatenate([np.full(40, 1), np.full(24, 2), np.full(t - 64, 3)])
-  return jnp.asarray(np.tile(row, (b, 1)).astype(np.int32))
 
 
 def inputs(key: int, b, t, h, dk, dv, dtype=jnp.bfloat16) -> dict:

@@ -7,17 +7,13 @@ import pytest
 
 from pallas_kernels.kda import mosaic_tpu
 from pallas_kernels.kda import reference
+from kda_testing import rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 # Row 0: boundaries inside chunk 0 and on the chunk start 128; row 1: one
 # document, then a one-token document and padding-like id 0 at the end.
 SEGMENTS = np.stack([np.repeat([1, 2, 3], [40, 88, 72]),
                      np.repeat([4, 5, 0], [150, 1, 49])]).astype(np.int32)
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def _reference(x: dict, scale: float, segment_ids, cot=None):

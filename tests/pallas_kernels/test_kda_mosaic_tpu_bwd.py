@@ -7,14 +7,10 @@ import pytest
 
 from pallas_kernels.kda import mosaic_tpu
 from pallas_kernels.kda import reference
+from kda_testing import rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 GRADS = (*NAMES, "h0")
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def _segments(t: int) -> np.ndarray:

@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels.kda import recurrent_decode
 from pallas_kernels.kda import reference
+from kda_testing import rel_err
 
 ON_DEVICE = os.environ.get("K3JAX_KDA_TEST_ON_DEVICE") == "1"
 INTERPRET = not ON_DEVICE
@@ -25,11 +26,6 @@ TOL_BF16_O = 5e-3
 
 if ON_DEVICE and not any(d.platform == "gpu" for d in jax.devices()):
   pytest.skip("K3JAX_KDA_TEST_ON_DEVICE=1 needs a GPU", allow_module_level=True)
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def inputs(key: int, b, t, h, dk, dv, with_initial_state=True, dtype=jnp.float32) -> dict:

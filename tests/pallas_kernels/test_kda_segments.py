@@ -8,16 +8,12 @@ import pytest
 
 from pallas_kernels.kda import api
 from pallas_kernels.kda import reference
+from kda_testing import rel_err
 
 # Row 0: boundaries inside chunks 0 and 1. Row 1: a boundary on a chunk start
 # (64), a one-token document, then padding (id 0) up to T = 150.
 SEGMENT_IDS = np.stack([np.repeat([1, 2, 3], [40, 70, 40]),
                         np.repeat([5, 6, 7, 0], [64, 1, 60, 25])]).astype(np.int32)
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def numpy_kda(q, k, v, g, beta, scale, h0):

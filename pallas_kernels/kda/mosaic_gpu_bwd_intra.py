@@ -1,0 +1,227 @@
+"""VJP of KDA's chunk-parallel part as a Pallas Mosaic GPU kernel (Hopper, kda.md §2.3).
+
+`parts_vjp` has the contract of `chunked.chunk_parts_vjp(..., gate_bound=-5.0)`: the
+cotangents of (Q_d, W, U, K_g, A_qk, e^{G_C}) (report Eqs. 2-7) and M = (I + L)^{-1} in,
+(dq, dk, dv, dg, dbeta) out. One CTA = one warpgroup per (chunk of C = 64 tokens, head, batch),
+bf16 tensor-core operands, fp32 accumulation. With G = chunk-local cumsum of g (in the kernel
+for K = 128, by XLA for K = 64, as the forward), x_0 = scale q, x_1 = beta k:
+  1. UT transform (Eqs. 6-7): dM = dW K_d^T + dU (beta V)^T, dL = -M^T dM M^T, dK_d = M^T dW,
+     d(beta V) = M^T dU.
+  2. A_qk = Tril(x_0 e^G (k e^-G)^T), L = StrictTril(x_1 e^G (k e^-G)^T) with dP_0 = dA_qk,
+     dP_1 = dL (masked causal, one segment): dx_z = e^G dP_z (k e^-G),
+     dk = e^-G sum_z dP_z^T (x_z e^G), with the forward's anchors (tokens 15 and 47 inside the
+     32-token halves, 31 for the lower-left block; exponents in [-80, 80] for g >= -5). dP
+     sits in SMEM split into its diagonal halves and its lower-left block, one anchor each.
+  3. The elementwise terms of Q_d, K_d (first segment), K_g (last), e^{G_C} (one segment);
+     dg = reverse cumsum of dG within the chunk, as a product with the upper-triangular ones,
+     dG split into bf16 hi + lo (error ~2^-17 |dG|).
+XLA runs `mosaic_gpu.prepare` (padding, bf16 q, k, v; the K = 64 cumsum), the cotangents' and
+M's reshapes (dW, dU, M to bf16), and the final slicing and casts. Interpreter against fp32
+`chunk_parts_vjp`: relative L2 errors <= 5.6e-3 (dg), about half from the bf16 inputs. SMEM
+196 KiB at K = V = 128. Not yet run on a GPU (lowered for CUDA in the tests).
+"""
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.kda import mosaic_gpu as fwd
+
+_F32 = jnp.float32
+_BF16 = jnp.bfloat16
+_WIDE = 64                 # column slab of the UT part's elementwise work
+
+
+def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_ref,
+          dqd_ref, dkg_ref, daqk_ref, ddec_ref,
+          dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
+          q_s, k_s, g_s, m_s, dw_s, dp_s, beta_s, cnt_s, union, bar, *stage):
+  """One chunk: (dq, dk, dv, dG reverse-summed = dg, dbeta) (see the module doc)."""
+  c, kd, dv, half_w = fwd.CHUNK, cfg.key_dim, v_ref.shape[-1], fwd.HALF
+  (kd_s, v_s, bv_s, du_s, dm_s), (kmid_s, k31_s, xup_s, x31_s, hi_s, lo_s, u_s) = union
+  n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
+  tok = pl.ds(n * c, c)
+  mma = fwd._Mma(cfg, stage)
+  load = fwd._load
+
+  for src, dst in ((q_ref.at[b, tok, h], q_s), (k_ref.at[b, tok, h], k_s),
+                   (g_ref.at[b, tok, h], g_s), (v_ref.at[b, tok, h], v_s),
+                   (beta_ref.at[b, h, tok], beta_s), (m_ref.at[b, h, tok], m_s),
+                   (dw_ref.at[b, h, tok], dw_s), (du_ref.at[b, h, tok], du_s)):
+    plgpu.copy_gmem_to_smem(src, dst, bar)
+  if cfg.has_segments:
+    plgpu.copy_gmem_to_smem(cnt_ref.at[b, tok], cnt_s, bar)
+  plgpu.barrier_wait(bar)
+  if cfg.scan:                        # G = cumsum(g)
+    fwd._cumsum_rows(g_s)
+
+  full = (c, c)
+  row, col = fwd._iota(full, 0), fwd._iota(full, 1)
+  beta_vec = load(beta_s, fwd._ROW)
+  first_vec = last_vec = None
+  whole = 1.0
+  causal, strict = row >= col, row > col
+  if cfg.has_segments:
+    cnt_vec = load(cnt_s, fwd._ROW)
+    cnt_last = cnt_s[c - 1]
+    first_vec = jnp.where(cnt_vec == 0.0, 1.0, 0.0)
+    last_vec = jnp.where(cnt_vec == cnt_last, 1.0, 0.0)
+    whole = jnp.where(cnt_last == 0.0, 1.0, 0.0)
+    same = fwd._rows(cnt_vec, full) == fwd._cols(load(cnt_s, fwd._COL), full)
+    causal, strict = causal & same, strict & same
+
+  # 1. UT transform.
+  wide = (c, _WIDE)
+  for slab in range(kd // _WIDE):
+    cols = pl.ds(slab * _WIDE, _WIDE)
+    k_d = load(k_s.at[:, cols]).astype(_F32) * jnp.exp(load(g_s.at[:, cols]))
+    rows = beta_vec if first_vec is None else beta_vec * first_vec
+    kd_s.at[:, cols][...] = (k_d * fwd._rows(rows, wide)).astype(_BF16)
+  for slab in range(dv // _WIDE):
+    cols = pl.ds(slab * _WIDE, _WIDE)
+    bv_s.at[:, cols][...] = (load(v_s.at[:, cols]).astype(_F32)
+                             * fwd._rows(beta_vec, wide)).astype(_BF16)
+  plgpu.commit_smem()
+  d_m = mma.product(full, [(dw_s, kd_s.T), (du_s, bv_s.T)])
+  dm_s[...] = d_m.astype(_BF16)
+  plgpu.commit_smem()
+  mt_dm = mma.product(full, [(m_s.T, dm_s)])
+  d_l = mma.product(full, [(fwd._Regs(mt_dm.astype(_BF16)), m_s.T)])     # -dL
+  d_aqk = load(daqk_ref.at[b, h, tok])
+  lower_left = (row >= half_w) & (col < half_w)
+  for z, d_p in enumerate((jnp.where(causal, d_aqk, 0.0), jnp.where(strict, -d_l, 0.0))):
+    dp_s.at[z][...] = jnp.where(lower_left, 0.0, d_p).astype(_BF16)
+    dp_s.at[2 + z][...] = jnp.where(lower_left, d_p, 0.0).astype(_BF16)
+  d_beta = None
+  for slab in range(dv // _WIDE):
+    cols = pl.ds(slab * _WIDE, _WIDE)
+    d_bv = mma.product(wide, [(m_s.T, du_s.at[:, cols])])
+    dv_ref.at[b, tok, h, cols][...] = d_bv * fwd._rows(beta_vec, wide)
+    part = jnp.sum(load(v_s.at[:, cols]).astype(_F32) * d_bv, axis=1)
+    d_beta = part if d_beta is None else d_beta + part
+  plgpu.commit_smem()                 # every thread is done with the union's first view
+  u_s[...] = jnp.where(row <= col, 1.0, 0.0).astype(_BF16)    # reverse cumsum over rows
+  plgpu.commit_smem()
+
+  # 2-3. Intra-chunk matrices and elementwise terms, per slab of 32 key channels.
+  half = (c, half_w)
+  rowh = fwd._iota(half, 0)
+  second = rowh >= half_w
+  beta = fwd._rows(beta_vec, half)
+  top, bottom = pl.ds(0, half_w), pl.ds(half_w, half_w)
+  for slab in range(kd // half_w):
+    cols = pl.ds(slab * half_w, half_w)
+    m15, m31, m47, m63 = (fwd._cols(load(g_s.at[r, cols], fwd._COL), half)
+                          for r in (fwd.MID, fwd.SPLIT, fwd.MID + half_w, fwd.LAST))
+    g = load(g_s.at[:, cols])
+    d = g - jnp.where(second, m47, m15)
+    t31 = jnp.exp(jnp.where(second, g - m31, m31 - g))
+    e_up, e_dn = jnp.exp(d), jnp.exp(-d)
+    k = load(k_s.at[:, cols]).astype(_F32)
+    xs = (load(q_s.at[:, cols]).astype(_F32) * cfg.scale, k * beta)
+    kmid_s[...] = (k * e_dn).astype(_BF16)
+    k31_s[...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
+    for z, x in enumerate(xs):
+      xup_s.at[z][...] = (x * e_up).astype(_BF16)
+      x31_s.at[z][...] = jnp.where(second, x * t31, 0.0).astype(_BF16)
+    plgpu.commit_smem()
+    diag0, diag1, low0, low1 = mma.products(
+        (half, [(dp_s.at[0], kmid_s)], None), (half, [(dp_s.at[1], kmid_s)], None),
+        (half, [(dp_s.at[2, :, top], k31_s.at[top])], None),
+        (half, [(dp_s.at[3, :, top], k31_s.at[top])], None))
+    dk_diag, dk_low, d_kd = mma.products(
+        (half, [(dp_s.at[0].T, xup_s.at[0]), (dp_s.at[1].T, xup_s.at[1])], None),
+        (half, [(dp_s.at[2, bottom].T, x31_s.at[0, bottom]),
+                (dp_s.at[3, bottom].T, x31_s.at[1, bottom])], None),
+        (half, [(m_s.T, dw_s.at[:, cols])], None))
+    low = jnp.where(second, t31, 0.0)
+    dx0 = e_up * diag0 + low * low0
+    dx1 = e_up * diag1 + low * low1
+    dk_intra = e_dn * dk_diag + jnp.where(second, 0.0, t31) * dk_low
+    e_g, e_end = jnp.exp(g), jnp.exp(m63 - g)
+    if first_vec is not None:
+      e_g, e_end = e_g * fwd._rows(first_vec, half), e_end * fwd._rows(last_vec, half)
+    dx0 = dx0 + e_g * load(dqd_ref.at[b, h, tok, cols])        # d(scale q)
+    dx1 = dx1 + e_g * d_kd                                     # d(beta k)
+    d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
+    kg_d = k * d_kg
+    dq_ref.at[b, tok, h, cols][...] = cfg.scale * dx0
+    dk_ref.at[b, tok, h, cols][...] = dk_intra + beta * dx1 + d_kg
+    d_beta = d_beta + jnp.sum(k * dx1, axis=1)
+    tail = (jnp.sum(kg_d, axis=0)
+            + whole * jnp.exp(load(g_s.at[fwd.LAST, cols], fwd._COL))
+            * load(ddec_ref.at[b, h, n, cols], fwd._COL))
+    d_g = (xs[0] * dx0 + xs[1] * dx1 - k * dk_intra - kg_d
+           + jnp.where(rowh == c - 1, fwd._cols(tail, half), 0.0))
+    hi = d_g.astype(_BF16)
+    hi_s[...] = hi
+    lo_s[...] = (d_g - hi.astype(_F32)).astype(_BF16)
+    plgpu.commit_smem()
+    dg_ref.at[b, tok, h, cols][...] = mma.product(half, [(u_s, hi_s), (u_s, lo_s)])
+  dbeta_ref.at[b, h, tok][...] = d_beta
+
+
+def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d_dec,
+                     cfg: "fwd._Config", interpret):
+  """The kernel on `mosaic_gpu.prepare`d inputs.
+
+  q, k bf16, g fp32 (G for K = 64) [B, T, H, K]; v bf16 [B, T, H, V]; beta [B, H, T];
+  counts [B, T]; m bf16 [B, H, T, C]; d_w bf16 [B, H, T, K]; d_u bf16 [B, H, T, V];
+  d_qd, d_kg fp32 [B, H, T, K]; d_aqk fp32 [B, H, T, C]; d_dec fp32 [B, H, N, K].
+  Returns fp32 dq, dk, dg [B, T, H, K], dv [B, T, H, V], dbeta [B, H, T].
+  """
+  b, t, h, kd = q.shape
+  dv = v.shape[-1]
+  c, half_w = fwd.CHUNK, fwd.HALF
+  op = fwd._operand
+  tok_k = jax.ShapeDtypeStruct((b, t, h, kd), _F32)
+  call = plgpu.kernel(
+      functools.partial(_body, cfg),
+      out_type=(tok_k, tok_k, jax.ShapeDtypeStruct((b, t, h, dv), _F32), tok_k,
+                jax.ShapeDtypeStruct((b, h, t), _F32)),
+      scratch_types=[
+          op((c, kd)), op((c, kd)), plgpu.SMEM((c, kd), _F32), op((c, c)), op((c, kd)),
+          op((4, c, c)), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
+          plgpu.RefUnion((op((c, kd)), op((c, dv)), op((c, dv)), op((c, dv)), op((c, c))),
+                         (op((c, half_w)), op((c, half_w)), op((2, c, half_w)),
+                          op((2, c, half_w)), op((c, half_w)), op((c, half_w)), op((c, c)))),
+          plgpu.Barrier(num_arrivals=9 if cfg.has_segments else 8),
+          *fwd._stage(cfg)],
+      grid=(cfg.num_chunks, h, b), grid_names=("n", "h", "b"),
+      compiler_params=fwd._PARAMS, interpret=interpret, kernel_name="kda_intra_vjp_mosaic_gpu")
+  return call(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d_dec)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
+              interpret=False) -> tuple[jax.Array, ...]:
+  """`chunked.chunk_parts_vjp(..., gate_bound=-5.0)` on the kernel.
+
+  Args:
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; segment_ids [B, T] or None.
+    m: M = (I + L)^{-1} [B, H, N, C, C] (C = 64, N = ceil(T / C)).
+    cotangents: (dQ_d, dW [B, H, N, C, K], dU [B, H, N, C, V], dK_g [B, H, N, C, K],
+      dA_qk [B, H, N, C, C], d chunk decay [B, H, N, K]), `chunked.chunk_parts`' order.
+    interpret: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
+
+  Returns:
+    (dq, dk, dv, dg, dbeta) in the inputs' shapes and dtypes.
+  """
+  cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret)
+  qp, kp, gp, vp, beta_t, counts, _ = fwd.prepare(q, k, v, g, beta, None, segment_ids)
+  d_qd, d_w, d_u, d_kg, d_aqk, d_dec = cotangents
+  b, h, n, c = m.shape[:4]
+
+  def tokens(x, dtype):
+    return x.reshape(b, h, n * c, x.shape[-1]).astype(dtype)
+
+  dq, dk, dv, dg, dbeta = intra_vjp_kernel(
+      qp, kp, gp, vp, beta_t, counts, tokens(m, _BF16), tokens(d_w, _BF16),
+      tokens(d_u, _BF16), tokens(d_qd, _F32), tokens(d_kg, _F32), tokens(d_aqk, _F32),
+      d_dec.astype(_F32), cfg, interp)
+  t = q.shape[1]
+  return (dq[:, :t].astype(q.dtype), dk[:, :t].astype(k.dtype), dv[:, :t].astype(v.dtype),
+          dg[:, :t].astype(g.dtype), jnp.swapaxes(dbeta, 1, 2)[:, :t].astype(beta.dtype))
