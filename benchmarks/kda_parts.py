@@ -2,7 +2,8 @@ r"""Where the time of the Mosaic GPU KDA forward and kernel backward goes, part 
 
 Each part in its own jit on the inputs of `benchmarks.kda` (B=1, T=8192, K=V=128, bf16 q, k, v):
 the L2 norm of q and k, the forward kernels, and the backward's pieces (`mosaic_gpu_bwd`):
-`chunk_parts` and its VJP (XLA), the two state-walk kernels, `chunk_parts_cotangents` (XLA),
+`chunk_parts` and its VJP (XLA), the two state-walk kernels, `chunk_parts_cotangents` (XLA and
+the `mosaic_gpu_bwd_cotangents` kernel),
 the intra kernel's parts, their VJP as the `mosaic_gpu_bwd_intra` kernel (parts="kernel") and
 as its pure-JAX form `chunked.chunk_parts_vjp`, and
 the whole backward both ways, with the XLA einsums at HIGHEST (fp32) and DEFAULT (TF32).
@@ -20,6 +21,7 @@ from k3jax.kda import l2_normalize
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import mosaic_gpu_bwd
+from pallas_kernels.kda import mosaic_gpu_bwd_cotangents
 from pallas_kernels.kda import mosaic_gpu_bwd_intra
 
 _OUT = flags.DEFINE_string("parts_out", "", "If set, the records are merged into this JSON list.")
@@ -72,6 +74,10 @@ def parts_of(b, t, h):
           tokens(qd, jnp.bfloat16), wn, kg_b, tokens(aqk, jnp.bfloat16), dec, d_o, h0)
     doc = chunked._to_chunks(d_o.astype(jnp.float32))
     dvn = dvn.reshape(nb, nh, n, c, -1)
+    if name == "highest":
+      ms["cotangents_kernel"] = common.time_jax(
+          jax.jit(lambda *a: mosaic_gpu_bwd_cotangents.cotangents(*a, interpret=interpret)),
+          w, u, s_in, ds, dvn, doc)
     ms[f"cotangents_{name}"] = common.time_jax(
         jax.jit(lambda *a, prec=prec: chunked.chunk_parts_cotangents(*a, prec)),
         w, u, s_in, ds, dvn, doc)

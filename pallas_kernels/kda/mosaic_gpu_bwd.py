@@ -16,15 +16,15 @@ The backward, fla's recompute scheme:
        dV_new = A_qk^T dO + K_g dS,
        dS_n   = Diag(d) dS + Q_d^T dO - W^T dV_new,
      writing dV_new and every dS; the last dS_0 is d initial_state.
-  3. XLA, batched einsums over chunks (no scan):
-       dQ_d = dO S_n^T, dW = -dV_new S_n^T, dU = dV_new, dA_qk = dO V_new^T,
-       dK_g = V_new dS^T, dd = rowsum(S_n * dS),
+  3. the cotangents of the parts, per chunk: dQ_d = dO S_n^T, dW = -dV_new S_n^T,
+     dU = dV_new, dA_qk = dO V_new^T, dK_g = V_new dS^T, dd = rowsum(S_n * dS),
      then the VJP of the parts, one of two ways (`backward(parts=...)`):
-       "xla": `chunk_parts` recomputed in fp32 and differentiated by JAX (autodiff of batched
-         einsums, the UT triangular solve and the cumsum);
+       "xla": `chunk_parts` recomputed in fp32, the cotangents as batched XLA einsums and the
+         VJP by JAX's autodiff (batched einsums, the UT triangular solve, the cumsum);
        "kernel": the parts and M = (I + L)^{-1} from the forward's intra kernel (bf16), W and
-         U as M products, and their VJP in the `mosaic_gpu_bwd_intra` kernel (the hand-written
-         `chunked.chunk_parts_vjp` as a kernel; no solve, no autodiff).
+         U as M products, the cotangents in the `mosaic_gpu_bwd_cotangents` kernel and the
+         VJP in the `mosaic_gpu_bwd_intra` kernel (the pure-JAX `chunk_parts_cotangents` and
+         `chunk_parts_vjp` as kernels; no solve, no autodiff).
 Tensor-core operands are bf16 with fp32 accumulation; the state and its
 gradient stay fp32 in registers (bf16 copies in SMEM as operands). In interpret
 mode the products' initial values are added after the product (see mosaic_gpu).
@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import mosaic_gpu as fwd
+from pallas_kernels.kda import mosaic_gpu_bwd_cotangents
 from pallas_kernels.kda import mosaic_gpu_bwd_intra
 
 _F32 = jnp.float32
@@ -208,9 +209,11 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
     d_o [B, T, H, V]; d_final [B, H, K, V].
     scale, interpret, block_v: as in `mosaic_gpu.forward`.
     precision: of the XLA einsums (`PRECISION`).
-    parts: "xla" (`chunk_parts` recomputed in fp32 and differentiated by JAX) or "kernel" (its
-      outputs and M from the forward's intra kernel, differentiated by the
-      `mosaic_gpu_bwd_intra` kernel, whose pure-JAX oracle is `chunked.chunk_parts_vjp`).
+    parts: "xla" (`chunk_parts` recomputed in fp32, its cotangents by XLA einsums, and its VJP
+      by JAX's autodiff) or "kernel" (its outputs and M from the forward's intra kernel, the
+      cotangents by the `mosaic_gpu_bwd_cotangents` kernel and the VJP by the
+      `mosaic_gpu_bwd_intra` kernel, whose pure-JAX forms are `chunked.chunk_parts_cotangents`
+      and `chunked.chunk_parts_vjp`).
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
   if parts == "kernel":
@@ -231,11 +234,18 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
 
   wn = tokens(-w, _BF16)
   kg_b = tokens(kg, _BF16)
-  s_in = states_kernel(wn, tokens(u, _F32), kg_b, dec, h0, cfg, interp)
+  u_t = tokens(u, _F32)
+  s_in = states_kernel(wn, u_t, kg_b, dec, h0, cfg, interp)
   do_p = chunked._pad_time(d_o.astype(_BF16), n * c - q.shape[1])
   dvn, ds, dh0 = dstates_kernel(tokens(qd, _BF16), wn, kg_b, tokens(aqk, _BF16), dec, do_p,
                                 d_final.astype(_F32), cfg, interp)
-  dvn = dvn.reshape(b, h, n, c, -1)
-  doc = chunked._to_chunks(do_p.astype(_F32))
-  d_parts = chunked.chunk_parts_cotangents(w.astype(_F32), u, s_in, ds, dvn, doc, precision)
+  chunks = lambda x: x.reshape(b, h, n, c, x.shape[-1])
+  if parts == "kernel":
+    d_qd, d_w, d_kg, d_aqk, d_dec = mosaic_gpu_bwd_cotangents.cotangents_kernel(
+        wn, u_t, s_in, ds, dvn, do_p, cfg, interp)
+    d_parts = (chunks(d_qd), chunks(d_w), chunks(dvn), chunks(d_kg), chunks(d_aqk), d_dec)
+  else:
+    doc = chunked._to_chunks(do_p.astype(_F32))
+    d_parts = chunked.chunk_parts_cotangents(w.astype(_F32), u, s_in, ds, chunks(dvn), doc,
+                                             precision)
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))

@@ -1,0 +1,122 @@
+"""Cotangents of KDA's chunk parts from the state walks, as a Pallas Mosaic GPU kernel (Hopper).
+
+`cotangents` is `chunked.chunk_parts_cotangents` (kda.md §2.3) on one kernel that reads each
+input once. Per chunk n of C = 64 tokens, with S_n [K, V] the state entering it and dS_n the
+gradient of the state leaving it (report Eqs. 8-9, V_new = U - W S_n):
+  dQ_d = dO S_n^T,  dW = -dV_new S_n^T,  dU = dV_new,  dK_g = V_new dS_n^T,
+  dA_qk = dO V_new^T,  d(e^{G_C}) = rowsum(S_n * dS_n)  (sum over V, [K]).
+One CTA = one warpgroup per (chunk, head, batch). -W and dO arrive by TMA (bf16); S_n, dS_n, U
+and dV_new (fp32) are read straight into registers, in 32-column slabs for the states; d(e^{G_C})
+is summed from the fp32 values, and bf16 copies of S_n, dS_n are the tensor-core operands (fp32
+accumulation). V_new = U + (-W) S_n is formed in the kernel; its bf16 copy takes -W's SMEM.
+dV_new is the left operand of dW from registers. SMEM (K = V = 128): -W / V_new 16 KiB,
+dO 16 KiB, S_n 32 KiB, dS_n 32 KiB = 96 KiB, 98 KiB with Mosaic's own (two CTAs per SM fit).
+Interpreter against fp32 `chunk_parts_cotangents`: relative L2 errors <= 3.4e-3 (dK_g, dA_qk,
+through bf16 V_new). Not yet run on a GPU (lowered for CUDA in the tests).
+"""
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.kda import mosaic_gpu as fwd
+
+_F32 = jnp.float32
+_BF16 = jnp.bfloat16
+
+
+def _body(cfg, wn_ref, u_ref, s_ref, ds_ref, dvn_ref, do_ref,
+          dqd_ref, dw_ref, dkg_ref, daqk_ref, ddec_ref,
+          union, do_s, s_s, ds_s, bar, *stage):
+  """One chunk: dQ_d, dW, dK_g, dA_qk and d(e^{G_C}) (see the module doc)."""
+  c, kd, dv, half_w = fwd.CHUNK, cfg.key_dim, u_ref.shape[-1], fwd.HALF
+  wn_s, vn_s = union                  # -W; V_new once -W is consumed
+  n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
+  tok = pl.ds(n * c, c)
+  mma = fwd._Mma(cfg, stage)
+  load = fwd._load
+
+  plgpu.copy_gmem_to_smem(wn_ref.at[b, h, tok], wn_s, bar)
+  plgpu.copy_gmem_to_smem(do_ref.at[b, tok, h], do_s, bar)
+  d_dec = None
+  for slab in range(dv // half_w):
+    cols = pl.ds(slab * half_w, half_w)
+    s = load(s_ref.at[b, h, n, :, cols])
+    d_s = load(ds_ref.at[b, h, n, :, cols])
+    part = jnp.sum(s * d_s, axis=1)
+    d_dec = part if d_dec is None else d_dec + part
+    s_s.at[:, cols][...] = s.astype(_BF16)
+    ds_s.at[:, cols][...] = d_s.astype(_BF16)
+  ddec_ref.at[b, h, n][...] = d_dec
+  plgpu.commit_smem()
+  plgpu.barrier_wait(bar)
+
+  v_new, d_qd = mma.products(((c, dv), [(wn_s, s_s)], load(u_ref.at[b, h, tok])),
+                             ((c, kd), [(do_s, s_s.T)], None))
+  dqd_ref.at[b, h, tok][...] = d_qd
+  vn_s[...] = v_new.astype(_BF16)
+  plgpu.commit_smem()
+
+  wide = min(dv, fwd.CHUNK)           # the interpreter stages register operands as [C, 64]
+  dvn = [(fwd._Regs((-load(dvn_ref.at[b, h, tok, pl.ds(j, wide)])).astype(_BF16)),
+          s_s.at[:, pl.ds(j, wide)].T) for j in range(0, dv, wide)]
+  d_w, d_kg = mma.products(((c, kd), dvn, None), ((c, kd), [(vn_s, ds_s.T)], None))
+  dw_ref.at[b, h, tok][...] = d_w
+  dkg_ref.at[b, h, tok][...] = d_kg
+  daqk_ref.at[b, h, tok][...] = mma.product((c, c), [(do_s, vn_s.T)])
+
+
+def cotangents_kernel(wn, u, s_in, ds, dvn, do, cfg: "fwd._Config", interpret):
+  """The kernel on the backward's token layouts.
+
+  wn = -W bf16 [B, H, T, K]; u fp32 [B, H, T, V]; s_in, ds fp32 [B, H, N, K, V] (S_n entering
+  chunk n, dS_n = dL/dS_{n+1}); dvn fp32 [B, H, T, V]; do bf16 [B, T, H, V]; T = N * 64.
+  Returns fp32 (dQ_d, dW, dK_g [B, H, T, K], dA_qk [B, H, T, C], d(e^{G_C}) [B, H, N, K]).
+  """
+  b, h, t, dv = u.shape
+  kd, c, op = cfg.key_dim, fwd.CHUNK, fwd._operand
+  tok_k = jax.ShapeDtypeStruct((b, h, t, kd), _F32)
+  call = plgpu.kernel(
+      functools.partial(_body, cfg),
+      out_type=(tok_k, tok_k, tok_k, jax.ShapeDtypeStruct((b, h, t, c), _F32),
+                jax.ShapeDtypeStruct((b, h, cfg.num_chunks, kd), _F32)),
+      scratch_types=[
+          plgpu.RefUnion(op((c, kd)), op((c, dv))), op((c, dv)), op((kd, dv)), op((kd, dv)),
+          plgpu.Barrier(num_arrivals=2),
+          *fwd._stage(cfg)],
+      grid=(cfg.num_chunks, h, b), grid_names=("n", "h", "b"),
+      compiler_params=fwd._PARAMS, interpret=interpret, kernel_name="kda_cotangents_mosaic_gpu")
+  return call(wn, u, s_in, ds, dvn, do)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def cotangents(w, u, s_in, ds, dvn, do, *, interpret=False) -> tuple[jax.Array, ...]:
+  """`chunked.chunk_parts_cotangents(w, u, s_in, ds, dvn, do)` on the kernel.
+
+  Args:
+    w [B, H, N, C, K]; u, dvn, do [B, H, N, C, V]; s_in, ds [B, H, N, K, V] (C = 64).
+    interpret: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
+
+  Returns:
+    (dQ_d, dW, dU, dK_g [B, H, N, C, *], dA_qk [B, H, N, C, C], d chunk decay [B, H, N, K]),
+    fp32, `chunked.chunk_parts`' order; dU is dvn.
+  """
+  b, h, n, c, kd = w.shape
+  dv = u.shape[-1]
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  cfg = fwd._Config(num_chunks=n, key_dim=kd, scale=1.0, has_segments=False,
+                    interpret=bool(interpret))
+
+  def tokens(x, dtype):
+    return x.reshape(b, h, n * c, x.shape[-1]).astype(dtype)
+
+  do_t = jnp.moveaxis(do, 1, 3).reshape(b, n * c, h, dv).astype(_BF16)
+  d_qd, d_w, d_kg, d_aqk, d_dec = cotangents_kernel(
+      tokens(-w, _BF16), tokens(u, _F32), s_in.astype(_F32), ds.astype(_F32),
+      tokens(dvn, _F32), do_t, cfg, interpret or None)
+  chunks = lambda x: x.reshape(b, h, n, c, x.shape[-1])
+  return (chunks(d_qd), chunks(d_w), dvn.astype(_F32), chunks(d_kg), chunks(d_aqk), d_dec)
