@@ -30,7 +30,7 @@ PY
     kda_tests)
       K3JAX_KDA_TEST_ON_DEVICE=1 timeout 280 python3 -m pytest -q -p no:cacheprovider \
         tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
-    tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
+        tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
         tests/pallas_kernels/test_kda_mosaic_gpu.py \
         tests/pallas_kernels/test_kda_recurrent_decode.py 2>&1 | tee $OUT/kda_tests.log | tail -5
       ;;
