@@ -1,8 +1,9 @@
 r"""KDA side by side on one GPU: our tiers vs fla `chunk_kda` vs jax-linear-attention.
 
 Same inputs for every implementation, one process: bf16 q, k, v; fp32 log-decay g in [-5, 0);
-beta after the sigmoid; K = V = 128; q, k L2-normalised inside the timed op (fla:
-`use_qk_l2norm_in_kernel=True`). fwd = forward only; fwd+bwd = forward and backward for all of
+beta after the sigmoid; K = V = 128; q, k L2-normalised inside the timed op
+(`use_qk_l2norm_in_kernel=True` for fla and ours: in the intra kernel for the Mosaic GPU tier,
+by XLA for the chunked one). fwd = forward only; fwd+bwd = forward and backward for all of
 q, k, v, g, beta. Run: `python3 -m benchmarks.kda --out=$OUT/kda.json`.
 """
 import os
@@ -16,7 +17,6 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import common
-from k3jax.kda import l2_normalize
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.kda import mosaic_gpu
 
@@ -67,12 +67,12 @@ def jax_fns(impl: str):
   elif impl in ("mosaic_gpu_bwd_chunked", "mosaic_gpu_bwd_intra"):
     backward = {"mosaic_gpu_bwd_chunked": "chunked", "mosaic_gpu_bwd_intra": "kernel_intra"}[impl]
     def op(q, k, v, g, beta):
-      return mosaic_gpu.chunk_kda_mosaic_gpu(l2_normalize(q), l2_normalize(k), v, g, beta,
-                                             backward=backward)[0]
+      return mosaic_gpu.chunk_kda_mosaic_gpu(q, k, v, g, beta, backward=backward,
+                                             use_qk_l2norm_in_kernel=True)[0]
   else:
     def op(q, k, v, g, beta):
-      return kda_ops.chunk_kda(l2_normalize(q), l2_normalize(k), v, g, beta, gate_bound=-5.0,
-                               impl=impl)[0]
+      return kda_ops.chunk_kda(q, k, v, g, beta, gate_bound=-5.0, impl=impl,
+                               use_qk_l2norm_in_kernel=True)[0]
   fwd = jax.jit(op)
   def loss(q, k, v, g, beta, do):
     return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do)

@@ -17,12 +17,12 @@ from absl import app, flags
 
 from benchmarks import common
 from benchmarks import kda as kda_bench
-from k3jax.kda import l2_normalize
 from pallas_kernels.kda import chunked
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import mosaic_gpu_bwd_cotangents
 from pallas_kernels.kda import mosaic_gpu_bwd_intra
+from pallas_kernels.kda.reference import l2_normalize
 
 _OUT = flags.DEFINE_string("parts_out", "", "If set, the records are merged into this JSON list.")
 _SHAPES = flags.DEFINE_list("parts_shapes", ["1x8192x32"], "BxTxH, comma separated.")
@@ -45,6 +45,10 @@ def parts_of(b, t, h):
   ms = {}
   ms["l2norm_qk"] = common.time_jax(jax.jit(lambda a, c: (l2_normalize(a), l2_normalize(c))),
                                     bf(x["q"]), bf(x["k"]))
+  ms["forward_kernels_l2norm_in_kernel"] = common.time_jax(
+      jax.jit(lambda *a: mosaic_gpu.forward(*a, None, None, scale=scale, block_v=block_v,
+                                            interpret=interpret, normalize_qk=True)),
+      bf(x["q"]), bf(x["k"]), v, g, beta)
   ms["forward_kernels"] = common.time_jax(
       jax.jit(lambda *a: mosaic_gpu.forward(*a, None, None, scale=scale, block_v=block_v,
                                       interpret=interpret)),

@@ -14,6 +14,7 @@ from flax import nnx
 from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import kda as kda_ops
+from pallas_kernels.kda.reference import l2_normalize
 
 
 def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = None,
@@ -38,12 +39,6 @@ def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = 
       tap = jnp.where((seg[:, w:w + t] == segment_ids)[..., None], tap, 0.0)
     y = y + tap
   return y.astype(x.dtype), xp[:, t:]
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  """x / sqrt(sum x^2 + eps) over the last axis (fla `l2norm`)."""
-  xf = x.astype(jnp.float32)
-  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def forget_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, kind: str,

@@ -4,7 +4,8 @@ Semantics of fla-core 0.6.0 `naive_recurrent_kda`: q <- q * scale; per token
 S <- S * exp(g_t)[:, None]; S <- S + (beta_t k_t) outer (v_t - S^T k_t);
 o_t = S^T q_t.
 
-Layouts: q, k [B, T, H, K] (already L2-normalised); v [B, T, H, V]; g [B, T, H, K]
+Layouts: q, k [B, T, H, K] (L2-normalised by the caller, or by the op with
+`use_qk_l2norm_in_kernel=True`, fla's flag); v [B, T, H, V]; g [B, T, H, K]
 natural-log decay (<= 0); beta [B, T, H] (after the sigmoid); state
 [B, H, K, V], returned in fp32 (the inputs' dtype promoted to >= fp32);
 o [B, T, H, V] in q's dtype. `segment_ids` [B, T] integer (documents packed in
@@ -90,6 +91,7 @@ def chunk_kda(
     segment_ids: jax.Array | None = None,
     gate_bound: float | None = None,
     impl: str | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """KDA over a whole sequence (training / prefill).
 
@@ -106,6 +108,9 @@ def chunk_kda(
       "chunked" (fail closed). An explicitly named kernel that cannot take the
       call raises ValueError with the reason. "reference" is the
       token-by-token `lax.scan`.
+    use_qk_l2norm_in_kernel: q and k are raw and the op L2-normalises them
+      (`reference.l2_normalize`): inside the Mosaic GPU intra kernel, by XLA first for the
+      other tiers.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state or None).
@@ -125,9 +130,15 @@ def chunk_kda(
               segment_ids=segment_ids)
     reason = supports(q, k, v, g, beta, gate_bound=gate_bound, **kw)
     if reason is None:
+      if kernel == "mosaic_gpu":
+        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kw)
+      if use_qk_l2norm_in_kernel:
+        q, k = reference.l2_normalize(q), reference.l2_normalize(k)
       return fn(q, k, v, g, beta, **kw)
     if impl is not None:
       raise ValueError(f"impl={impl!r} cannot run this call: {reason}")
+  if use_qk_l2norm_in_kernel:
+    q, k = reference.l2_normalize(q), reference.l2_normalize(k)
   if impl == "reference":
     o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
                                    initial_state=initial_state, segment_ids=segment_ids)

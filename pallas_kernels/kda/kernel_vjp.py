@@ -2,9 +2,11 @@
 
 A kernel tier supplies `forward(q, k, v, g, beta, h0, segment_ids, options) -> (o, S_T)` and
 a dict of backwards `name -> fn(q, k, v, g, beta, h0, segment_ids, d_o, d_S, options)`
-returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static arguments
-whose first entry is `scale` and last the backward's name. Every tier also gets "chunked":
-the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded gate), exact in fp32.
+returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static arguments:
+(scale, normalize_qk, ..., backward's name). With normalize_qk the forward L2-normalises q
+and k itself (fla's `use_qk_l2norm_in_kernel`); the backwards then run on the normalised q, k
+(recomputed by XLA) and the norm's VJP is applied after them. Every tier also gets
+"chunked": the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded gate), exact in fp32.
 """
 import functools
 from typing import Callable
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import chunked
+from pallas_kernels.kda import reference
 
 
 def chunked_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, *,
@@ -40,7 +43,14 @@ def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: flo
                                                                  segment_ids)
 
   def op_bwd(options, res, cot):
-    return (*backwards[options[-1]](*res, *cot, options), None)
+    q, k, *rest = res
+    if options[1]:
+      (q, k), norm_vjp = jax.vjp(lambda a, b: (reference.l2_normalize(a),
+                                               reference.l2_normalize(b)), q, k)
+    grads = backwards[options[-1]](q, k, *rest, *cot, options)
+    if options[1]:
+      grads = (*norm_vjp(tuple(grads[:2])), *grads[2:])
+    return (*grads, None)
 
   op.defvjp(op_fwd, op_bwd)
   return op

@@ -32,6 +32,8 @@ Measured on an H200 (B=1, T=8192, K=V=128, bf16, forward with the XLA part):
 (value block, head, batch) doing both (the first version) ran at 2.2 ms for
 H=32: its 64 CTAs of one warpgroup each left the chunk-parallel work
 latency-bound.
+With normalize_qk (`use_qk_l2norm_in_kernel`), kernel 1 scales the rows of q and k by
+1 / sqrt(sum x^2 + 1e-6) (fp32 row sums over the K-slabs) before anything else.
 Segments (segment_ids) mask A_qk and L to one segment, Q_d and K_d to the
 chunk's first segment, K_g to its last, and zero the carried state when a
 segment starts inside the chunk (as chunked.py).
@@ -107,6 +109,7 @@ class _Config:
   has_segments: bool
   interpret: bool
   block_v: int = BLOCK_V
+  normalize_qk: bool = False      # L2-normalise q and k rows in the intra kernel
 
   @property
   def scan(self) -> bool:
@@ -201,6 +204,16 @@ def _cumsum_rows(g_s) -> None:
   plgpu.commit_smem()
 
 
+def _inverse_row_norm(x_s, kd: int) -> jax.Array:
+  """1 / sqrt(sum x^2 + eps) per row of x [C, K] in SMEM, in fp32 (`reference.l2_normalize`)."""
+  sq = None
+  for slab in range(kd // HALF):
+    x = _load(x_s.at[:, pl.ds(slab * HALF, HALF)]).astype(_F32)
+    part = jnp.sum(x * x, axis=1)
+    sq = part if sq is None else sq + part
+  return lax.rsqrt(sq + reference.L2_EPS)
+
+
 def _walk(num_chunks: int, fetch, bars, body, init, reverse: bool = False):
   """Walks the chunks in order (or in reverse) with their inputs double-buffered by TMA.
 
@@ -249,6 +262,9 @@ def _intra_body(cfg: _Config, q_ref, k_ref, g_ref, beta_ref, cnt_ref,
     _cumsum_rows(g_s)
 
   beta = _rows(_load(beta_s, _ROW), half)
+  q_norm = k_norm = 1.0
+  if cfg.normalize_qk:
+    q_norm, k_norm = (_rows(_inverse_row_norm(x_s, kd), half) for x_s in (q_s, k_s))
   first = last = None
   carry = 1.0
   if cfg.has_segments:
@@ -266,8 +282,8 @@ def _intra_body(cfg: _Config, q_ref, k_ref, g_ref, beta_ref, cnt_ref,
                             for r in (MID, SPLIT, MID + HALF, LAST))
       g = _load(g_s.at[:, cols])
       d = g - jnp.where(second, m47, m15)
-      k = _load(k_s.at[:, cols]).astype(_F32)
-      q = _load(q_s.at[:, cols]).astype(_F32) * cfg.scale
+      k = _load(k_s.at[:, cols]).astype(_F32) * k_norm
+      q = _load(q_s.at[:, cols]).astype(_F32) * (q_norm * cfg.scale)
       kmid_s.at[:, cols][...] = (k * jnp.exp(-d)).astype(_BF16)
       t31 = jnp.exp(jnp.where(second, g - m31, m31 - g))
       k31_s.at[:, cols][...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
@@ -519,25 +535,28 @@ def pick_block_v(b: int, h: int, dv: int) -> int:
   return 32 if b * h * (dv // BLOCK_V) < NUM_SMS else BLOCK_V
 
 
-def config(q, segment_ids, *, scale: float, interpret=False, block_v: int = BLOCK_V):
+def config(q, segment_ids, *, scale: float, interpret=False, block_v: int = BLOCK_V,
+           normalize_qk: bool = False):
   """(static kernel config, interpret argument) for inputs like q [B, T, H, K]."""
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   cfg = _Config(num_chunks=-(-q.shape[1] // CHUNK), key_dim=q.shape[-1], scale=scale,
                 has_segments=segment_ids is not None, interpret=bool(interpret),
-                block_v=block_v)
+                block_v=block_v, normalize_qk=normalize_qk)
   return cfg, interpret or None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v", "normalize_qk"))
 def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, interpret=False,
-            block_v: int = BLOCK_V) -> tuple[jax.Array, jax.Array]:
+            block_v: int = BLOCK_V, normalize_qk: bool = False) -> tuple[jax.Array, jax.Array]:
   """`prepare` and the kernels: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
 
   `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
   `block_v`: value columns per CTA of the state kernel (32 or 64).
+  `normalize_qk`: L2-normalise q and k inside the intra kernel (`reference.l2_normalize`).
   """
-  cfg, interp = config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
+  cfg, interp = config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v,
+                       normalize_qk=normalize_qk)
   qp, kp, gp, vp, beta_t, counts, h0 = prepare(q, k, v, g, beta, initial_state, segment_ids)
   parts = intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
   o, s = state_kernel(*parts, vp, beta_t, h0, cfg, interp)
@@ -545,10 +564,10 @@ def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, inter
 
 
 def _kernel_backward(parts: str):
-  """`mosaic_gpu_bwd.backward` as a `kernel_vjp` backward; options (scale, interpret, block_v,
-  name)."""
+  """`mosaic_gpu_bwd.backward` as a `kernel_vjp` backward; options (scale, normalize_qk,
+  interpret, block_v, name)."""
   def bwd(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options):
-    scale, interpret, block_v, _ = options
+    scale, _, interpret, block_v, _ = options
     return mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=scale,
                                    interpret=interpret, block_v=block_v, parts=parts)
   return bwd
@@ -556,8 +575,8 @@ def _kernel_backward(parts: str):
 
 _kda = kernel_vjp.kernel_op(
     lambda q, k, v, g, beta, h0, segment_ids, options: forward(
-        q, k, v, g, beta, h0, segment_ids, scale=options[0], interpret=options[1],
-        block_v=options[2]),
+        q, k, v, g, beta, h0, segment_ids, scale=options[0], normalize_qk=options[1],
+        interpret=options[2], block_v=options[3]),
     {"kernel": _kernel_backward("xla"), "kernel_intra": _kernel_backward("kernel")},
     GATE_BOUND)
 
@@ -565,8 +584,9 @@ _kda = kernel_vjp.kernel_op(
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: jax.Array | None = None, output_final_state: bool = False,
                          segment_ids: jax.Array | None = None, interpret=False,
-                         block_v: int | None = None,
-                         backward: str = "kernel") -> tuple[jax.Array, jax.Array | None]:
+                         block_v: int | None = None, backward: str = "kernel",
+                         use_qk_l2norm_in_kernel: bool = False
+                         ) -> tuple[jax.Array, jax.Array | None]:
   """`api.chunk_kda` semantics on the Hopper kernels (bounded gate g >= -5 assumed).
 
   Args:
@@ -581,6 +601,8 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
       einsums), "kernel_intra" (the same walks; the chunk-parallel part and its VJP as kernels,
       `mosaic_gpu_bwd.backward(parts="kernel")`; not yet run on a GPU) or "chunked" (VJP of
       the chunked JAX tier, fp32 HIGHEST).
+    use_qk_l2norm_in_kernel: q and k are raw; the intra kernel L2-normalises their rows
+      (`reference.l2_normalize`, fla's flag of the same name).
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None).
@@ -600,5 +622,5 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
   o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids,
-              (float(scale), interpret, block_v, backward))
+              (float(scale), bool(use_qk_l2norm_in_kernel), interpret, block_v, backward))
   return o, (s if output_final_state else None)

@@ -380,15 +380,16 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float,
 
 
 def _kernel_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options):
-  """`backward` as a `kernel_vjp` backward; options (scale, chunk_size, interpret, name)."""
+  """`backward` as a `kernel_vjp` backward; options (scale, False, chunk_size, interpret,
+  name)."""
   return backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=options[0],
-                  interpret=options[2])
+                  interpret=options[3])
 
 
 _kda = kernel_vjp.kernel_op(
     lambda q, k, v, g, beta, h0, segment_ids, options: forward(
-        q, k, v, g, beta, h0, segment_ids, scale=options[0], chunk_size=options[1],
-        interpret=options[2]),
+        q, k, v, g, beta, h0, segment_ids, scale=options[0], chunk_size=options[2],
+        interpret=options[3]),
     {"kernel": _kernel_backward}, GATE_BOUND)
 
 
@@ -422,5 +423,5 @@ def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
   if h0 is None:
     h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
   o, s = _kda(q, k, v, g, beta, h0.astype(jnp.float32), segment_ids,
-              (float(scale), chunk_size, interpret, backward))
+              (float(scale), False, chunk_size, interpret, backward))
   return o, (s if output_final_state else None)

@@ -23,6 +23,15 @@ def compute_dtype(*arrays: jax.Array | None) -> jnp.dtype:
   return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))
 
 
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
+  """x / sqrt(sum x^2 + eps) over the last axis in fp32, back in x's dtype (fla `l2norm`)."""
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def segment_resets(segment_ids: jax.Array) -> jax.Array:
   """[B, T] bool: True where token t starts a new segment (t > 0 only)."""
   changed = segment_ids[:, 1:] != segment_ids[:, :-1]

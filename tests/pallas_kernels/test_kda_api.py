@@ -139,3 +139,24 @@ def test_recurrent_impls_are_checked():
   seg = jnp.ones((1, 1), jnp.int32)
   with pytest.raises(ValueError, match="impl='mosaic_gpu' cannot run this call"):
     api.fused_recurrent_kda(q, q, q, -q, beta, segment_ids=seg, impl="mosaic_gpu")
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_use_qk_l2norm_in_kernel_normalises_q_and_k(impl):
+  """The flag equals normalising q and k first (`reference.l2_normalize`), values and grads."""
+  x = reference.example_inputs(jax.random.key(4), 1, 70, 2, 32, 32, gate="bounded",
+                               with_initial_state=False)
+  raw_q, raw_k = 2.0 * x["q"] + 0.3, 0.5 * x["k"] - 0.2
+
+  def loss(q, k, flag):
+    if not flag:
+      q, k = reference.l2_normalize(q), reference.l2_normalize(k)
+    o, _ = chunk_kda(q, k, x["v"], x["g"], x["beta"], impl=impl, gate_bound=-5.0,
+                     use_qk_l2norm_in_kernel=flag)
+    return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
+
+  grad = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)
+  (v1, g1), (v2, g2) = grad(raw_q, raw_k, True), grad(raw_q, raw_k, False)
+  np.testing.assert_allclose(v1, v2, rtol=1e-6)
+  for a, b in zip(g1, g2):
+    assert rel_err(a, b) < 1e-6

@@ -25,18 +25,27 @@ if ON_DEVICE and not any(d.platform == "gpu" for d in jax.devices()):
   pytest.skip("K3JAX_KDA_TEST_ON_DEVICE=1 needs a GPU", allow_module_level=True)
 
 
-def fp64_grads(x: dict, segment_ids, cot) -> dict:
-  """Gradients of <o, cot_o> + <S_T, cot_S> through the fp64 token recurrence."""
+def fp64_outputs_and_grads(x: dict, segment_ids, cot, normalize_qk: bool = False):
+  """((o, S_T), gradients of <o, cot_o> + <S_T, cot_S>) of the fp64 token recurrence (after
+  an fp64 L2 norm of q and k with `normalize_qk`)."""
+  l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + reference.L2_EPS)
   with jax.enable_x64(True):
     args = {n: jnp.asarray(np.asarray(x[n], np.float32), jnp.float64) for n in (*NAMES, "h0")}
 
     def f(a):
-      return reference.recurrent_kda(*(a[n] for n in NAMES), scale=x["q"].shape[-1] ** -0.5,
+      q, k = (l2(a["q"]), l2(a["k"])) if normalize_qk else (a["q"], a["k"])
+      return reference.recurrent_kda(q, k, a["v"], a["g"], a["beta"],
+                                     scale=x["q"].shape[-1] ** -0.5,
                                      initial_state=a["h0"], segment_ids=segment_ids)
 
-    _, vjp = jax.vjp(f, args)
-    return jax.device_get(vjp(tuple(jnp.asarray(np.asarray(c, np.float32), jnp.float64)
-                                    for c in cot))[0])
+    out, vjp = jax.vjp(f, args)
+    grads = vjp(tuple(jnp.asarray(np.asarray(c, np.float32), jnp.float64) for c in cot))[0]
+    return jax.device_get(out), jax.device_get(grads)
+
+
+def fp64_grads(x: dict, segment_ids, cot) -> dict:
+  """Gradients of <o, cot_o> + <S_T, cot_S> through the fp64 token recurrence."""
+  return fp64_outputs_and_grads(x, segment_ids, cot)[1]
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -83,6 +92,34 @@ def test_backward_argument_is_checked():
 
 
 @pytest.mark.parametrize("backward", ["kernel", "kernel_intra"])
+def test_l2_norm_in_kernel(backward):
+  """use_qk_l2norm_in_kernel: raw q, k (not unit norm) normalised in the intra kernel; o, the
+  final state and all gradients against the fp64 recurrence after an fp64 L2 norm."""
+  b, t, h, d = 1, 130, 2, 128
+  x = reference.example_inputs(jax.random.key(11), b, t, h, d, d, gate="bounded",
+                               with_initial_state=True)
+  x["q"], x["k"] = (3.0 * x["q"] + 0.5).astype(BF16), (0.2 * x["k"] - 0.1).astype(BF16)
+  x["v"] = x["v"].astype(BF16)
+  sid = segments(t, b)
+  rng = np.random.default_rng(5)
+  cot = (jnp.asarray(rng.standard_normal((b, t, h, d)), BF16),
+         jnp.asarray(rng.standard_normal((b, h, d, d)), F32))
+
+  def f(a):
+    return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
+                                           output_final_state=True, segment_ids=sid,
+                                           interpret=INTERPRET, backward=backward,
+                                           use_qk_l2norm_in_kernel=True)
+
+  (o, s), vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
+  grads = vjp(cot)[0]
+  (o_ref, s_ref), ref = fp64_outputs_and_grads(x, sid, cot, normalize_qk=True)
+  assert rel_err(o, o_ref) < 1.5e-2 and rel_err(s, s_ref) < 1.5e-2
+  for name in (*NAMES, "h0"):
+    assert rel_err(grads[name], ref[name]) < TOL[name], (name, rel_err(grads[name], ref[name]))
+
+
+@pytest.mark.parametrize("backward", ["kernel", "kernel_intra"])
 def test_forward_and_backward_lower_for_hopper(backward):
   """Mosaic GPU lowering (layouts, TMA boxes) of every kernel of jax.grad, for CUDA, on any host."""
   for t, dk, dv, dtype, seg in [(130, 128, 128, BF16, True), (64, 64, 128, F32, False)]:
@@ -92,7 +129,7 @@ def test_forward_and_backward_lower_for_hopper(backward):
       o, s = mosaic_gpu.chunk_kda_mosaic_gpu(q, k, v, g, beta, initial_state=h0,
                                              output_final_state=True,
                                              segment_ids=sid if seg else None,
-                                             backward=backward)
+                                             backward=backward, use_qk_l2norm_in_kernel=seg)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     args = (sds(1, t, 2, dk), sds(1, t, 2, dk), sds(1, t, 2, dv), sds(1, t, 2, dk, d=F32),
