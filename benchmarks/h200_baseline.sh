@@ -6,8 +6,15 @@
 #   bash benchmarks/h200_baseline.sh kda                   # ~8 min: KDA parts, ours vs fla (H 32, 96)
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #
-# fla's Triton autotuning takes minutes on a fresh machine (cached while the machine stays warm).
+# fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
+# TRITON_CACHE_DIR (here .triton_cache in the repo); each run packs them into
+# $OUT/triton_autotune.tgz. Unpack that into .triton_cache (git-ignored through
+# .git/info/exclude) and carry .triton_cache with .whl on later calls to skip the tuning.
 set -uo pipefail
+export TRITON_CACHE_DIR="$PWD/.triton_cache"
+mkdir -p "$TRITON_CACHE_DIR"
+trap '(cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 \
+       | tar --null -czf "$OUT/triton_autotune.tgz" -T - 2>/dev/null)' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
