@@ -160,8 +160,10 @@ def fused_recurrent_kda(
     output_final_state: bool = False,
     segment_ids: jax.Array | None = None,
     impl: str | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """Token-by-token KDA for decode (T = 1); arguments as in `chunk_kda`.
+  """Token-by-token KDA for decode (T = 1); arguments as in `chunk_kda`
+  (`use_qk_l2norm_in_kernel`: q and k L2-normalised by XLA first).
 
   impl: None or "reference" (the token-by-token `lax.scan`), or "mosaic_gpu"
   (`recurrent_decode`, Hopper; used only when named: not all its GPU tests have run yet). A kernel
@@ -173,6 +175,8 @@ def fused_recurrent_kda(
   scale = _check_inputs(q, k, v, g, beta, initial_state, segment_ids, scale)
   if impl is not None and impl not in RECURRENT_IMPLS:
     raise ValueError(f"impl must be None or one of {RECURRENT_IMPLS}, got {impl!r}")
+  if use_qk_l2norm_in_kernel:
+    q, k = reference.l2_normalize(q), reference.l2_normalize(k)
   if impl == "mosaic_gpu":
     reason = recurrent_decode.supports(q, k, v, g, beta, initial_state=initial_state,
                                        segment_ids=segment_ids)

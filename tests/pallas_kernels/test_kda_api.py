@@ -143,7 +143,8 @@ def test_recurrent_impls_are_checked():
 
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_use_qk_l2norm_in_kernel_normalises_q_and_k(impl):
-  """The flag equals normalising q and k first (`reference.l2_normalize`), values and grads."""
+  """The flag equals normalising q and k first (`reference.l2_normalize`): chunk_kda's values
+  and gradients, and a fused_recurrent_kda step."""
   x = reference.example_inputs(jax.random.key(4), 1, 70, 2, 32, 32, gate="bounded",
                                with_initial_state=False)
   raw_q, raw_k = 2.0 * x["q"] + 0.3, 0.5 * x["k"] - 0.2
@@ -160,3 +161,9 @@ def test_use_qk_l2norm_in_kernel_normalises_q_and_k(impl):
   np.testing.assert_allclose(v1, v2, rtol=1e-6)
   for a, b in zip(g1, g2):
     assert rel_err(a, b) < 1e-6
+  step = fused_recurrent_kda(raw_q[:, :1], raw_k[:, :1], x["v"][:, :1], x["g"][:, :1],
+                             x["beta"][:, :1], use_qk_l2norm_in_kernel=True)[0]
+  want = fused_recurrent_kda(reference.l2_normalize(raw_q[:, :1]),
+                             reference.l2_normalize(raw_k[:, :1]), x["v"][:, :1],
+                             x["g"][:, :1], x["beta"][:, :1])[0]
+  np.testing.assert_allclose(step, want, rtol=1e-6)
