@@ -31,7 +31,7 @@ mode the products' initial values are added after the product (see mosaic_gpu).
 Extra memory: S_n and dS, fp32 [B, H, N, K, V] each (fla keeps h too).
 Measured (interpreter, bf16 inputs, B=1, H=2, T in {64, 130}, K=V in {64, 128},
 segments and initial state): relative RMS gradient errors <= 3e-3 (parts="xla") and
-<= 4e-3 (parts="kernel") against the fp64 recurrence. Compiled on an H200, parts="xla" passes
+<= 5.1e-3 (parts="kernel") against the fp64 recurrence. Compiled on an H200, parts="xla" passes
 the same tests and larger shapes (2026-11-30): at B=1, T=8192, H=32 its backward takes 10.4 ms,
 of which the walk kernels 0.9 ms and the XLA parts the rest (`benchmarks/kda_parts.py`).
 parts="kernel" has not run on a GPU yet.
