@@ -185,29 +185,11 @@ def torch_probe_alignment() -> int:
     return 16
 
 
-def time_torch(fn) -> float:
-  from triton.testing import do_bench
-  return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
 # ------------------------------------------------------------------------------------------
 # records
 # ------------------------------------------------------------------------------------------
 
-def _key(r: dict) -> tuple:
-  """Identity of a measurement; other writers' records may lack fields (e.g. "shape")."""
-  return tuple(json.dumps(r.get(f), sort_keys=True)
-               for f in ("op", "implementation", "pass", "shape", "dtype", "device"))
-
-
-def merge_records(path: pathlib.Path, new: list[dict]) -> list[dict]:
-  """Existing records of `path` minus those that `new` replaces, plus `new`."""
-  old = json.loads(path.read_text()) if path.exists() else []
-  keys = {_key(r) for r in new}
-  merged = [r for r in old if _key(r) not in keys] + new
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(merged, indent=1) + "\n")
-  return merged
+KEY_FIELDS = ("op", "implementation", "pass", "shape", "dtype", "device")
 
 
 class Recorder:
@@ -272,7 +254,7 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
 
     def torch_dense(a, b):
       ta, tb = torch_from_jax(a), torch_from_jax(b)
-      return time_torch(lambda: ta @ tb)
+      return common.time_torch(lambda: ta @ tb)
     rec.measure("dense_matmul", "torch", "fwd", shape, 2 * size ** 3,
                 functools.partial(torch_dense, a, b))
     del a, b
@@ -312,14 +294,14 @@ def run(out: pathlib.Path, shapes=SHAPES) -> list[dict]:
       err = rel_err(ours, t_fwd().float().cpu().numpy())
       print(f"ours vs torch forward: relative L2 difference {err:.2e}")
       rec.measure("moe_gmm", "torch_grouped_mm", "fwd", shape, flops,
-                  lambda: time_torch(t_fwd), rel_l2_vs_ours=err, **extra)
+                  lambda: common.time_torch(t_fwd), rel_l2_vs_ours=err, **extra)
       rec.measure("moe_gmm", "torch_grouped_mm", "fwd+bwd", shape, 3 * flops,
-                  lambda: time_torch(t_fwd_bwd), note=note, **extra)
+                  lambda: common.time_torch(t_fwd_bwd), note=note, **extra)
     except Exception as e:  # noqa: BLE001
       for pass_ in ("fwd", "fwd+bwd"):
         rec.fail("moe_gmm", "torch_grouped_mm", pass_, shape, e, **extra)
     del x, w, d_out
-    merge_records(out, rec.records)
+    common.merge_records(str(out), rec.records, KEY_FIELDS)
 
   print_table(rec.records)
   return rec.records
