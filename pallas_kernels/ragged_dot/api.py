@@ -149,44 +149,32 @@ def _tgmm(tier, lhs, rhs, group_sizes, p: Plan, **kwargs):
   return TIERS[tier].tgmm(lhs, rhs, group_sizes, interpret=p.interpret, **kwargs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ragged_dot_vjp(lhs, rhs, group_sizes, p: Plan):
-  return _gmm(p.forward, lhs, rhs, group_sizes, p, out_dtype=p.out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_vjp(lhs, rhs, group_sizes, p: Plan, transposed: bool):
+  """gmm (transposed=False) or tgmm on the plan's forward tier; its VJP is two products."""
+  product = _tgmm if transposed else _gmm
+  return product(p.forward, lhs, rhs, group_sizes, p, out_dtype=p.out_dtype)
 
 
-def _ragged_dot_fwd(lhs, rhs, group_sizes, p: Plan):
-  return _ragged_dot_vjp(lhs, rhs, group_sizes, p), (lhs, rhs, group_sizes)
+def _grouped_fwd(lhs, rhs, group_sizes, p: Plan, transposed: bool):
+  return _grouped_vjp(lhs, rhs, group_sizes, p, transposed), (lhs, rhs, group_sizes)
 
 
-def _ragged_dot_bwd(p: Plan, residuals, d_out):
+def _grouped_bwd(p: Plan, transposed: bool, residuals, d_out):
+  """gmm: d_lhs = d_out rhs^T, d_rhs = tgmm(lhs, d_out). tgmm: d_lhs = rhs d_out^T,
+  d_rhs = lhs d_out (both gmm)."""
   lhs, rhs, group_sizes = residuals
   d_out = d_out.astype(lhs.dtype)
-  d_lhs = _gmm(p.d_lhs, d_out, rhs, group_sizes, p, transpose_rhs=True, out_dtype=lhs.dtype)
-  d_rhs = _tgmm(p.d_rhs, lhs, d_out, group_sizes, p, out_dtype=rhs.dtype)
+  if transposed:
+    d_lhs = _gmm(p.d_lhs, rhs, d_out, group_sizes, p, transpose_rhs=True, out_dtype=lhs.dtype)
+    d_rhs = _gmm(p.d_rhs, lhs, d_out, group_sizes, p, out_dtype=rhs.dtype)
+  else:
+    d_lhs = _gmm(p.d_lhs, d_out, rhs, group_sizes, p, transpose_rhs=True, out_dtype=lhs.dtype)
+    d_rhs = _tgmm(p.d_rhs, lhs, d_out, group_sizes, p, out_dtype=rhs.dtype)
   return d_lhs, d_rhs, None
 
 
-_ragged_dot_vjp.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _transposed_vjp(lhs, rhs, group_sizes, p: Plan):
-  return _tgmm(p.forward, lhs, rhs, group_sizes, p, out_dtype=p.out_dtype)
-
-
-def _transposed_fwd(lhs, rhs, group_sizes, p: Plan):
-  return _transposed_vjp(lhs, rhs, group_sizes, p), (lhs, rhs, group_sizes)
-
-
-def _transposed_bwd(p: Plan, residuals, d_out):
-  lhs, rhs, group_sizes = residuals
-  d_out = d_out.astype(lhs.dtype)
-  d_lhs = _gmm(p.d_lhs, rhs, d_out, group_sizes, p, transpose_rhs=True, out_dtype=lhs.dtype)
-  d_rhs = _gmm(p.d_rhs, lhs, d_out, group_sizes, p, out_dtype=rhs.dtype)
-  return d_lhs, d_rhs, None
-
-
-_transposed_vjp.defvjp(_transposed_fwd, _transposed_bwd)
+_grouped_vjp.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -203,7 +191,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   group_sizes = group_sizes.astype(jnp.int32)
   if p.forward == "xla":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=p.out_dtype)
-  return _ragged_dot_vjp(lhs, rhs, group_sizes, p)
+  return _grouped_vjp(lhs, rhs, group_sizes, p, False)
 
 
 def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -218,4 +206,4 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
   """
   p = plan_transposed(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                       impl=impl, interpret=interpret)
-  return _transposed_vjp(lhs, rhs, group_sizes.astype(jnp.int32), p)
+  return _grouped_vjp(lhs, rhs, group_sizes.astype(jnp.int32), p, True)
