@@ -214,13 +214,19 @@ def _inverse_row_norm(x_s, kd: int) -> jax.Array:
   return lax.rsqrt(sq + reference.L2_EPS)
 
 
-def _walk(num_chunks: int, fetch, bars, body, init, reverse: bool = False):
+def _walk(num_chunks: int, copies, bars, body, init, reverse: bool = False):
   """Walks the chunks in order (or in reverse) with their inputs double-buffered by TMA.
 
-  fetch(n, slot) issues the copies of chunk n into buffer `slot` (arriving on bars[slot]);
-  body(n, slot, carry) -> carry runs once they have landed, while chunk n + 1's copies fly.
+  copies: (gmem_of, smem) pairs; chunk n's inputs gmem_of(n) go to smem.at[slot], arriving on
+  bars[slot]. body(n, slot, carry) -> carry runs once they have landed, while chunk n + 1's
+  copies fly.
   """
   chunk = (lambda i: num_chunks - 1 - i) if reverse else (lambda i: i)
+
+  def fetch(n, slot):
+    for gmem_of, smem in copies:
+      plgpu.copy_gmem_to_smem(gmem_of(n), smem.at[slot], bars.at[slot])
+
   fetch(chunk(0), 0)
 
   def step(i, carry):
@@ -395,17 +401,12 @@ def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v
   vcols = pl.ds(vt * bv, bv)
   mma = _Mma(cfg, stage)
 
-  def fetch(n, slot):
-    tok = pl.ds(n * c, c)
-    bar = bars.at[slot]
-    plgpu.copy_gmem_to_smem(qd_ref.at[b, h, tok], qd_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(kd_ref.at[b, h, tok], kd_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(kg_ref.at[b, h, tok], kg_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(aqk_ref.at[b, h, tok], aqk_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(m_ref.at[b, h, tok], m_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(v_ref.at[b, tok, h, vcols], v_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(dec_ref.at[b, h, n], dec_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(beta_ref.at[b, h, tok], beta_s.at[slot], bar)
+  tok = lambda n: pl.ds(n * c, c)
+  copies = [(lambda n: qd_ref.at[b, h, tok(n)], qd_s), (lambda n: kd_ref.at[b, h, tok(n)], kd_s),
+            (lambda n: kg_ref.at[b, h, tok(n)], kg_s),
+            (lambda n: aqk_ref.at[b, h, tok(n)], aqk_s), (lambda n: m_ref.at[b, h, tok(n)], m_s),
+            (lambda n: v_ref.at[b, tok(n), h, vcols], v_s), (lambda n: dec_ref.at[b, h, n], dec_s),
+            (lambda n: beta_ref.at[b, h, tok(n)], beta_s)]
 
   s0 = _load(h0_ref.at[b, h, :, vcols])
   s_s[...] = s0.astype(_BF16)
@@ -429,7 +430,7 @@ def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v
     plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(n * c, c), h, vcols])
     return s
 
-  s = _walk(cfg.num_chunks, fetch, bars, step, s0)
+  s = _walk(cfg.num_chunks, copies, bars, step, s0)
   final_ref.at[b, h, :, vcols][...] = s
   plgpu.wait_smem_to_gmem(0)
 

@@ -75,13 +75,10 @@ def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
   vcols = pl.ds(vt * bv, bv)
   mma = fwd._Mma(cfg, ())
 
-  def fetch(n, slot):
-    tok = pl.ds(n * c, c)
-    bar = bars.at[slot]
-    plgpu.copy_gmem_to_smem(wn_ref.at[b, h, tok], wn_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(u_ref.at[b, h, tok, vcols], u_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(kg_ref.at[b, h, tok], kg_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(dec_ref.at[b, h, n], dec_s.at[slot], bar)
+  tok = lambda n: pl.ds(n * c, c)
+  copies = [(lambda n: wn_ref.at[b, h, tok(n)], wn_s),
+            (lambda n: u_ref.at[b, h, tok(n), vcols], u_s),
+            (lambda n: kg_ref.at[b, h, tok(n)], kg_s), (lambda n: dec_ref.at[b, h, n], dec_s)]
 
   s0 = fwd._load(h0_ref.at[b, h, :, vcols])
   s_s[...] = s0.astype(_BF16)
@@ -96,7 +93,7 @@ def _states_body(cfg, wn_ref, u_ref, kg_ref, dec_ref, h0_ref, h_ref,
     s_s[...] = s.astype(_BF16)
     return s
 
-  fwd._walk(cfg.num_chunks, fetch, bars, step, s0)
+  fwd._walk(cfg.num_chunks, copies, bars, step, s0)
 
 
 def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref,
@@ -108,15 +105,11 @@ def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref
   vcols = pl.ds(vt * bv, bv)
   mma = fwd._Mma(cfg, ())
 
-  def fetch(n, slot):
-    tok = pl.ds(n * c, c)
-    bar = bars.at[slot]
-    plgpu.copy_gmem_to_smem(qd_ref.at[b, h, tok], qd_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(wn_ref.at[b, h, tok], wn_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(kg_ref.at[b, h, tok], kg_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(aqk_ref.at[b, h, tok], aqk_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(dec_ref.at[b, h, n], dec_s.at[slot], bar)
-    plgpu.copy_gmem_to_smem(do_ref.at[b, tok, h, vcols], do_s.at[slot], bar)
+  tok = lambda n: pl.ds(n * c, c)
+  copies = [(lambda n: qd_ref.at[b, h, tok(n)], qd_s), (lambda n: wn_ref.at[b, h, tok(n)], wn_s),
+            (lambda n: kg_ref.at[b, h, tok(n)], kg_s),
+            (lambda n: aqk_ref.at[b, h, tok(n)], aqk_s), (lambda n: dec_ref.at[b, h, n], dec_s),
+            (lambda n: do_ref.at[b, tok(n), h, vcols], do_s)]
 
   ds0 = fwd._load(dsf_ref.at[b, h, :, vcols])
   ds_s[...] = ds0.astype(_BF16)
@@ -135,7 +128,7 @@ def _dstates_body(cfg, qd_ref, wn_ref, kg_ref, aqk_ref, dec_ref, do_ref, dsf_ref
     ds_s[...] = ds.astype(_BF16)
     return ds
 
-  ds = fwd._walk(nc, fetch, bars, step, ds0, reverse=True)
+  ds = fwd._walk(nc, copies, bars, step, ds0, reverse=True)
   dh0_ref.at[b, h, :, vcols][...] = ds
 
 
