@@ -617,11 +617,7 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
     raise ValueError(f"block_v must be None, 32 or 64, got {block_v!r}")
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-  if scale is None:
-    scale = q.shape[-1] ** -0.5
-  h0 = initial_state
-  if h0 is None:
-    h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
-  o, s = _kda(q, k, v, g, beta, h0.astype(_F32), segment_ids,
-              (float(scale), bool(use_qk_l2norm_in_kernel), interpret, block_v, backward))
+  scale, h0 = reference.scale_and_state(q, v, scale, initial_state)
+  o, s = _kda(q, k, v, g, beta, h0, segment_ids,
+              (scale, bool(use_qk_l2norm_in_kernel), interpret, block_v, backward))
   return o, (s if output_final_state else None)

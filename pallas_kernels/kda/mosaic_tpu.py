@@ -417,11 +417,6 @@ def chunk_kda_mosaic_tpu(q, k, v, g, beta, *, scale: float | None = None,
     raise ValueError(f"chunk_kda_mosaic_tpu: {reason}")
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-  if scale is None:
-    scale = q.shape[-1] ** -0.5
-  h0 = initial_state
-  if h0 is None:
-    h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-  o, s = _kda(q, k, v, g, beta, h0.astype(jnp.float32), segment_ids,
-              (float(scale), False, chunk_size, interpret, backward))
+  scale, h0 = reference.scale_and_state(q, v, scale, initial_state)
+  o, s = _kda(q, k, v, g, beta, h0, segment_ids, (scale, False, chunk_size, interpret, backward))
   return o, (s if output_final_state else None)

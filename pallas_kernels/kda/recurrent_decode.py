@@ -25,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels.kda import reference
+
 HEAD_DIMS = (64, 128)
 BLOCK_V = 64        # value columns per CTA
 MAX_TOKENS = 64     # inputs of T tokens are staged whole in SMEM (4 [T, K] + 1 [T, 64] fp32)
@@ -137,12 +139,8 @@ def fused_recurrent_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = No
   reason = supports(q, k, v, g, beta, initial_state=initial_state)
   if reason is not None:
     raise ValueError(f"fused_recurrent_kda_mosaic_gpu: {reason}")
-  if scale is None:
-    scale = q.shape[-1] ** -0.5
+  scale, h0 = reference.scale_and_state(q, v, scale, initial_state)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
-  h0 = initial_state
-  if h0 is None:
-    h0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), _F32)
-  o, s = _forward(q, k, v, g, beta, h0, scale=float(scale), interpret=interpret or None)
+  o, s = _forward(q, k, v, g, beta, h0, scale=scale, interpret=interpret or None)
   return o, (s if output_final_state else None)

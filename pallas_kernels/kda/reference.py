@@ -32,6 +32,16 @@ def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
   return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def scale_and_state(q: jax.Array, v: jax.Array, scale: float | None,
+                    initial_state: jax.Array | None) -> tuple[float, jax.Array]:
+  """The kernels' defaults: scale K**-0.5 and a zero state; the state [B, H, K, V] in fp32."""
+  if scale is None:
+    scale = q.shape[-1] ** -0.5
+  if initial_state is None:
+    initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+  return float(scale), initial_state.astype(jnp.float32)
+
+
 def segment_resets(segment_ids: jax.Array) -> jax.Array:
   """[B, T] bool: True where token t starts a new segment (t > 0 only)."""
   changed = segment_ids[:, 1:] != segment_ids[:, :-1]
