@@ -123,7 +123,7 @@ def test_chunk_parts_vjp_matches_autodiff(x64, t, h, dk, dv, gate_bound, with_se
                                with_initial_state=False)
   x = {n: jnp.asarray(np.asarray(a, np.float64)) for n, a in x.items() if a is not None}
   if gate_bound is None:
-    x["g"] = x["g"].at[:, 5, :, :3].set(-1000.0)     # below LOG_DECAY_FLOOR: no gradient
+    x["g"] = x["g"].at[:, 5, :, :3].set(-1000.0)     # through the LOG_DECAY_FLOOR clamp
   sid = None
   if with_segments:
     sid = jnp.asarray(np.repeat([[1, 2, 3]], [40, 30, t - 70], axis=1).astype(np.int32))

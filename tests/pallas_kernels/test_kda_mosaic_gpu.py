@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import reference
-from kda_testing import rel_err, segments
+from kda_testing import outputs_and_grads, rel_err, segments
 
 ON_DEVICE = os.environ.get("K3JAX_KDA_TEST_ON_DEVICE") == "1"
 INTERPRET = not ON_DEVICE
@@ -104,13 +104,8 @@ def test_fp32_inputs_gradients_segments_initial_state():
   cot = (rng.standard_normal((b, t, h, d), np.float32),
          rng.standard_normal((b, h, d, d), np.float32))
 
-  def f(a):
-    return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
-                                           output_final_state=True, segment_ids=sid,
-                                           interpret=INTERPRET, backward="chunked")
-
-  (o, s), vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
-  grads = vjp(tuple(jnp.asarray(c) for c in cot))[0]
+  (o, s), grads = outputs_and_grads(mosaic_gpu.chunk_kda_mosaic_gpu, x, cot,
+                                    segment_ids=sid, interpret=INTERPRET, backward="chunked")
   (o_ref, s_ref), g_ref = fp64_reference(x, sid, cot)
   assert o.dtype == jnp.float32
   assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL

@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.kda import mosaic_gpu
 from pallas_kernels.kda import reference
-from kda_testing import rel_err, segments
+from kda_testing import outputs_and_grads, rel_err, segments
 
 ON_DEVICE = os.environ.get("K3JAX_KDA_TEST_ON_DEVICE") == "1"
 INTERPRET = not ON_DEVICE
@@ -69,14 +69,8 @@ def test_kernel_backward_matches_fp64(b, t, h, dk, dv, with_segments, block_v, d
   cot = (jnp.asarray(rng.standard_normal((b, t, h, dv)), dtype),
          jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32))
 
-  def f(a):
-    return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
-                                           output_final_state=True, segment_ids=sid,
-                                           interpret=INTERPRET, block_v=block_v,
-                                           backward=backward)
-
-  _, vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
-  grads = vjp(cot)[0]
+  _, grads = outputs_and_grads(mosaic_gpu.chunk_kda_mosaic_gpu, x, cot, segment_ids=sid,
+                               interpret=INTERPRET, block_v=block_v, backward=backward)
   ref = fp64_grads(x, sid, cot)
   for name in (*NAMES, "h0"):
     assert grads[name].shape == x[name].shape and grads[name].dtype == x[name].dtype, name
@@ -105,14 +99,9 @@ def test_l2_norm_in_kernel(backward):
   cot = (jnp.asarray(rng.standard_normal((b, t, h, d)), BF16),
          jnp.asarray(rng.standard_normal((b, h, d, d)), F32))
 
-  def f(a):
-    return mosaic_gpu.chunk_kda_mosaic_gpu(*(a[n] for n in NAMES), initial_state=a["h0"],
-                                           output_final_state=True, segment_ids=sid,
-                                           interpret=INTERPRET, backward=backward,
-                                           use_qk_l2norm_in_kernel=True)
-
-  (o, s), vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
-  grads = vjp(cot)[0]
+  (o, s), grads = outputs_and_grads(mosaic_gpu.chunk_kda_mosaic_gpu, x, cot, segment_ids=sid,
+                                    interpret=INTERPRET, backward=backward,
+                                    use_qk_l2norm_in_kernel=True)
   (o_ref, s_ref), ref = fp64_outputs_and_grads(x, sid, cot, normalize_qk=True)
   assert rel_err(o, o_ref) < 1.5e-2 and rel_err(s, s_ref) < 1.5e-2
   for name in (*NAMES, "h0"):

@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels.kda import mosaic_tpu
 from pallas_kernels.kda import reference
-from kda_testing import rel_err
+from kda_testing import outputs_and_grads, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 # Row 0: boundaries inside chunk 0 and on the chunk start 128; row 1: one
@@ -84,13 +84,8 @@ def test_gradients_with_segments_and_initial_state():
   cot = (rng.standard_normal((b, t, h, d), np.float32),
          rng.standard_normal((b, h, d, d), np.float32))
 
-  def f(a):
-    return mosaic_tpu.chunk_kda_mosaic_tpu(*(a[n] for n in NAMES), initial_state=a["h0"],
-                                           output_final_state=True, segment_ids=sid,
-                                           interpret=True)
-
-  (o, s), vjp = jax.vjp(f, {n: x[n] for n in (*NAMES, "h0")})
-  grads = vjp(tuple(jnp.asarray(c) for c in cot))[0]
+  (o, s), grads = outputs_and_grads(mosaic_tpu.chunk_kda_mosaic_tpu, x, cot,
+                                    segment_ids=sid, interpret=True)
   (o_ref, s_ref), g_ref = _reference(x, d ** -0.5, sid, cot)
   assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
   for name in (*NAMES, "h0"):

@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels.kda import mosaic_tpu
 from pallas_kernels.kda import reference
-from kda_testing import rel_err
+from kda_testing import outputs_and_grads, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 GRADS = (*NAMES, "h0")
@@ -33,13 +33,8 @@ def _reference_grads(x: dict, scale: float, segment_ids, cot) -> dict:
 
 
 def _kernel_grads(x: dict, segment_ids, cot, interpret) -> dict:
-  def f(a):
-    return mosaic_tpu.chunk_kda_mosaic_tpu(*(a[n] for n in NAMES), initial_state=a["h0"],
-                                           output_final_state=True, segment_ids=segment_ids,
-                                           interpret=interpret, backward="kernel")
-
-  _, vjp = jax.vjp(f, {n: x[n] for n in GRADS})
-  return vjp(cot)[0]
+  return outputs_and_grads(mosaic_tpu.chunk_kda_mosaic_tpu, x, cot, segment_ids=segment_ids,
+                           interpret=interpret, backward="kernel")[1]
 
 
 def _inputs(t: int, d: int, seed: int, dtype=jnp.float32):
