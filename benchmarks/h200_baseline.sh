@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/h200_baseline.sh ceilings kda_tests   # ~9 min: probe, ceilings, kernel tests
 #   bash benchmarks/h200_baseline.sh kda                   # ~8 min: KDA parts, ours vs fla (H 32, 96)
+#   bash benchmarks/h200_baseline.sh kda_quick             # ~4 min: intra-VJP kernel tests, ours timed, spills
+#   bash benchmarks/h200_baseline.sh kda_ptxas             # ~1 min: registers / spills of each KDA kernel
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
@@ -41,12 +43,26 @@ PY
         tests/pallas_kernels/test_kda_mosaic_gpu.py \
         tests/pallas_kernels/test_kda_recurrent_decode.py 2>&1 | tee $OUT/kda_tests.log | tail -5
       ;;
+    kda_quick)
+      K3JAX_KDA_TEST_ON_DEVICE=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
+        tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py -k "intra" 2>&1 | tee $OUT/kda_tests.log | tail -4
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout 200 python3 -m benchmarks.kda --shapes=1x8192x32,1x8192x96 \
+        --reps=10 --out=$OUT/kda_h200.json --impls=mosaic_gpu > $OUT/kda.log 2>&1
+      grep -aE " ms |rel L2|Error|spill stores" $OUT/kda.log | sort -u
+      ;;
+    kda_ptxas)
+      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/mosaic_dump timeout 150 python3 -m benchmarks.kda \
+        --shapes=1x8192x32 --reps=5 --out=/tmp/kda_ptxas.json --impls=mosaic_gpu \
+        > $OUT/kda_ptxas.log 2>&1
+      grep -hE "Compiling|Used|spill" $OUT/kda_ptxas.log $OUT/mosaic_dump/* 2>/dev/null | head -60
+      ;;
     kda)
       timeout 150 python3 -m benchmarks.kda_parts --parts_out=$OUT/kda_parts_h200.json \
         2>&1 | tee $OUT/kda_parts.log | grep " ms"
       for shape in 1x8192x32 1x8192x96; do
         timeout 200 python3 -m benchmarks.kda --shapes=$shape --reps=10 --out=$OUT/kda_h200.json \
-          --impls=mosaic_gpu,mosaic_gpu_bwd_intra,chunked,fla 2>&1 | tee -a $OUT/kda.log \
+          --impls=mosaic_gpu,mosaic_gpu_bwd_xla,chunked,fla 2>&1 | tee -a $OUT/kda.log \
           | grep -E " ms |rel L2"
       done
       ;;
@@ -60,7 +76,7 @@ PY
         | tee $OUT/train.log | tail -3
       ;;
     *)
-      echo "unknown section $section (ceilings, kda_tests, kda, moe, train)"; exit 2
+      echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda, moe, train)"; exit 2
       ;;
   esac
 done

@@ -23,9 +23,9 @@ from pallas_kernels.kda import mosaic_gpu
 _OUT = flags.DEFINE_string("out", "benchmarks/results/kda_h200.json", "Records (JSON list).")
 _SHAPES = flags.DEFINE_list("shapes", ["1x8192x32", "1x8192x96"], "BxTxH, comma separated.")
 _IMPLS = flags.DEFINE_list("impls", ["chunked", "fla", "jla_mosaic_gpu", "jla_chunked"],
-                           "chunked | mosaic_gpu (kernel backward) | mosaic_gpu_bwd_chunked (the chunked "
-                           "tier's backward) | mosaic_gpu_bwd_intra (backward='kernel_intra') | fla "
-                           "| jla_mosaic_gpu | jla_chunked")
+                           "chunked | mosaic_gpu (default backward='kernel_intra') | mosaic_gpu_bwd_xla "
+                           "(backward='kernel': XLA parts) | mosaic_gpu_bwd_chunked (the chunked "
+                           "tier's backward) | fla | jla_mosaic_gpu | jla_chunked")
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (JAX).")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "",
@@ -64,8 +64,8 @@ def jax_fns(impl: str):
     jla_impl = impl[len("jla_"):]
     def op(q, k, v, g, beta):
       return linear_attention("kda", q, k, v, g=g, beta=beta, impl=jla_impl, use_qk_l2norm=True)[0]
-  elif impl in ("mosaic_gpu_bwd_chunked", "mosaic_gpu_bwd_intra"):
-    backward = {"mosaic_gpu_bwd_chunked": "chunked", "mosaic_gpu_bwd_intra": "kernel_intra"}[impl]
+  elif impl in ("mosaic_gpu_bwd_chunked", "mosaic_gpu_bwd_xla"):
+    backward = {"mosaic_gpu_bwd_chunked": "chunked", "mosaic_gpu_bwd_xla": "kernel"}[impl]
     def op(q, k, v, g, beta):
       return mosaic_gpu.chunk_kda_mosaic_gpu(q, k, v, g, beta, backward=backward,
                                              use_qk_l2norm_in_kernel=True)[0]

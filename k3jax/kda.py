@@ -14,7 +14,6 @@ from flax import nnx
 from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import kda as kda_ops
-from pallas_kernels.kda.reference import l2_normalize
 
 
 def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = None,
@@ -118,20 +117,20 @@ class KDA(nnx.Module):
     q, cq = qkv(self.q_proj, self.q_conv1d, "conv_q")
     k, ck = qkv(self.k_proj, self.k_conv1d, "conv_k")
     v, cv = qkv(self.v_proj, self.v_conv1d, "conv_v")
-    q, k = l2_normalize(q), l2_normalize(k)
     f = jnp.einsum("btr,rhk->bthk", x @ w(self.f_a_proj), w(self.f_b_proj))
     g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, d_h), self.gate_kind,
                     self.lower_bound)
     beta = jax.nn.sigmoid((x @ w(self.b_proj)).astype(jnp.float32))
     if cache is not None and t == 1:
       o, state = kda_ops.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache["state"],
-                                             output_final_state=True)
+                                             output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
     else:
       o, state = kda_ops.chunk_kda(
           q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
           output_final_state=cache is not None, segment_ids=segment_ids,
           gate_bound=self.lower_bound if self.gate_kind == "lower_bound" else None,
-          impl=self.impl or None)
+          impl=self.impl or None, use_qk_l2norm_in_kernel=True)
     if self.use_full_rank_gate:
       z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
     else:

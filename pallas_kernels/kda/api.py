@@ -165,9 +165,10 @@ def fused_recurrent_kda(
   """Token-by-token KDA for decode (T = 1); arguments as in `chunk_kda`
   (`use_qk_l2norm_in_kernel`: q and k L2-normalised by XLA first).
 
-  impl: None or "reference" (the token-by-token `lax.scan`), or "mosaic_gpu"
-  (`recurrent_decode`, Hopper; used only when named: not all its GPU tests have run yet). A kernel
-  that cannot take the call raises ValueError with the reason.
+  impl: None (the `recurrent_decode` kernel on Hopper GPUs when it supports the call, which
+  passed its tests on the H200; else the reference), "reference" (the token-by-token
+  `lax.scan`) or "mosaic_gpu" (`recurrent_decode`). A named kernel that cannot take the call
+  raises ValueError with the reason.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final state [B, H, K, V] or None).
@@ -177,14 +178,15 @@ def fused_recurrent_kda(
     raise ValueError(f"impl must be None or one of {RECURRENT_IMPLS}, got {impl!r}")
   if use_qk_l2norm_in_kernel:
     q, k = reference.l2_normalize(q), reference.l2_normalize(k)
-  if impl == "mosaic_gpu":
+  if impl == "mosaic_gpu" or (impl is None and _default_kernel() == "mosaic_gpu"):
     reason = recurrent_decode.supports(q, k, v, g, beta, initial_state=initial_state,
                                        segment_ids=segment_ids)
-    if reason is not None:
+    if reason is None:
+      return recurrent_decode.fused_recurrent_kda_mosaic_gpu(
+          q, k, v, g, beta, scale=scale, initial_state=initial_state,
+          output_final_state=output_final_state)
+    if impl is not None:
       raise ValueError(f"impl='mosaic_gpu' cannot run this call: {reason}")
-    return recurrent_decode.fused_recurrent_kda_mosaic_gpu(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state)
   o, s = reference.recurrent_kda(q, k, v, g, beta, scale=scale,
                                  initial_state=initial_state, segment_ids=segment_ids)
   return o, (s if output_final_state else None)

@@ -585,7 +585,7 @@ _kda = kernel_vjp.kernel_op(
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
                          initial_state: jax.Array | None = None, output_final_state: bool = False,
                          segment_ids: jax.Array | None = None, interpret=False,
-                         block_v: int | None = None, backward: str = "kernel",
+                         block_v: int | None = None, backward: str = "kernel_intra",
                          use_qk_l2norm_in_kernel: bool = False
                          ) -> tuple[jax.Array, jax.Array | None]:
   """`api.chunk_kda` semantics on the Hopper kernels (bounded gate g >= -5 assumed).
@@ -598,10 +598,10 @@ def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,
       the kernel in the Mosaic GPU interpreter (CPU tests).
     block_v: value columns per CTA of the serial kernel, 64 or 32 (more CTAs
       for small B * H); None picks with `pick_block_v`.
-    backward: "kernel" (default: `mosaic_gpu_bwd`, Mosaic GPU state walks plus batched XLA
-      einsums), "kernel_intra" (the same walks; the chunk-parallel part and its VJP as kernels,
-      `mosaic_gpu_bwd.backward(parts="kernel")`; not yet run on a GPU) or "chunked" (VJP of
-      the chunked JAX tier, fp32 HIGHEST).
+    backward: "kernel_intra" (default: `mosaic_gpu_bwd.backward(parts="kernel")`, Mosaic GPU
+      state walks, the chunk-parallel part and its VJP all in kernels), "kernel" (the same walks
+      with the chunk-parallel part and its VJP as batched XLA einsums) or "chunked" (VJP of the
+      chunked JAX tier, fp32 HIGHEST).
     use_qk_l2norm_in_kernel: q and k are raw; the intra kernel L2-normalises their rows
       (`reference.l2_normalize`, fla's flag of the same name).
 

@@ -112,50 +112,68 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
   second = rowh >= half_w
   beta = fwd._rows(beta_vec, half)
   top, bottom = pl.ds(0, half_w), pl.ds(half_w, half_w)
+  def decays(cols):
+    """G of the slab, G minus its half's anchor (15 or 47), and e^{|G - G_31|} (lower-left)."""
+    m15, m31, m47 = (fwd._cols(load(g_s.at[r, cols], fwd._COL), half)
+                     for r in (fwd.MID, fwd.SPLIT, fwd.MID + half_w))
+    g = load(g_s.at[:, cols])
+    return g, g - jnp.where(second, m47, m15), jnp.exp(jnp.where(second, g - m31, m31 - g))
+
+  def to_chunk_start(g):
+    e_g = jnp.exp(g)
+    return e_g if first_vec is None else e_g * fwd._rows(first_vec, half)
+
+  # Each product group's results are consumed before the next is issued, and the slab's
+  # decays are recomputed from SMEM, so that fewer [C, 32] fp32 arrays are live at once.
   for slab in range(kd // half_w):
     cols = pl.ds(slab * half_w, half_w)
-    m15, m31, m47, m63 = (fwd._cols(load(g_s.at[r, cols], fwd._COL), half)
-                          for r in (fwd.MID, fwd.SPLIT, fwd.MID + half_w, fwd.LAST))
-    g = load(g_s.at[:, cols])
-    d = g - jnp.where(second, m47, m15)
-    t31 = jnp.exp(jnp.where(second, g - m31, m31 - g))
-    e_up, e_dn = jnp.exp(d), jnp.exp(-d)
+    g, d, t31 = decays(cols)
     k = load(k_s.at[:, cols]).astype(_F32)
-    xs = (load(q_s.at[:, cols]).astype(_F32) * cfg.scale, k * beta)
-    kmid_s[...] = (k * e_dn).astype(_BF16)
+    e_up = jnp.exp(d)
+    kmid_s[...] = (k * jnp.exp(-d)).astype(_BF16)
     k31_s[...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
-    for z, x in enumerate(xs):
+    for z, x in enumerate((load(q_s.at[:, cols]).astype(_F32) * cfg.scale, k * beta)):
       xup_s.at[z][...] = (x * e_up).astype(_BF16)
       x31_s.at[z][...] = jnp.where(second, x * t31, 0.0).astype(_BF16)
     plgpu.commit_smem()
-    diag0, diag1, low0, low1 = mma.products(
-        (half, [(dp_s.at[0], kmid_s)], None), (half, [(dp_s.at[1], kmid_s)], None),
-        (half, [(dp_s.at[2, :, top], k31_s.at[top])], None),
-        (half, [(dp_s.at[3, :, top], k31_s.at[top])], None))
-    dk_diag, dk_low, d_kd = mma.products(
+
+    diag, low = mma.products((half, [(dp_s.at[0], kmid_s)], None),
+                             (half, [(dp_s.at[2, :, top], k31_s.at[top])], None))
+    g, d, t31 = decays(cols)
+    dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
+          + to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols]))       # d(scale q)
+    dq_ref.at[b, tok, h, cols][...] = cfg.scale * dx
+    d_g = load(q_s.at[:, cols]).astype(_F32) * cfg.scale * dx
+
+    diag, low, d_kd = mma.products(
+        (half, [(dp_s.at[1], kmid_s)], None),
+        (half, [(dp_s.at[3, :, top], k31_s.at[top])], None),
+        (half, [(m_s.T, dw_s.at[:, cols])], None))
+    g, d, t31 = decays(cols)
+    dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
+          + to_chunk_start(g) * d_kd)                                       # d(beta k)
+    k = load(k_s.at[:, cols]).astype(_F32)
+    d_beta = d_beta + jnp.sum(k * dx, axis=1)
+    d_g = d_g + k * beta * dx
+    d_k = beta * dx
+
+    diag, low = mma.products(
         (half, [(dp_s.at[0].T, xup_s.at[0]), (dp_s.at[1].T, xup_s.at[1])], None),
         (half, [(dp_s.at[2, bottom].T, x31_s.at[0, bottom]),
-                (dp_s.at[3, bottom].T, x31_s.at[1, bottom])], None),
-        (half, [(m_s.T, dw_s.at[:, cols])], None))
-    low = jnp.where(second, t31, 0.0)
-    dx0 = e_up * diag0 + low * low0
-    dx1 = e_up * diag1 + low * low1
-    dk_intra = e_dn * dk_diag + jnp.where(second, 0.0, t31) * dk_low
-    e_g, e_end = jnp.exp(g), jnp.exp(m63 - g)
-    if first_vec is not None:
-      e_g, e_end = e_g * fwd._rows(first_vec, half), e_end * fwd._rows(last_vec, half)
-    dx0 = dx0 + e_g * load(dqd_ref.at[b, h, tok, cols])        # d(scale q)
-    dx1 = dx1 + e_g * d_kd                                     # d(beta k)
+                (dp_s.at[3, bottom].T, x31_s.at[1, bottom])], None))
+    g, d, t31 = decays(cols)
+    k = load(k_s.at[:, cols]).astype(_F32)
+    dk_intra = jnp.exp(-d) * diag + jnp.where(second, 0.0, t31) * low
+    e_end = jnp.exp(fwd._cols(load(g_s.at[fwd.LAST, cols], fwd._COL), half) - g)
+    if last_vec is not None:
+      e_end = e_end * fwd._rows(last_vec, half)
     d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
+    dk_ref.at[b, tok, h, cols][...] = d_k + dk_intra + d_kg
     kg_d = k * d_kg
-    dq_ref.at[b, tok, h, cols][...] = cfg.scale * dx0
-    dk_ref.at[b, tok, h, cols][...] = dk_intra + beta * dx1 + d_kg
-    d_beta = d_beta + jnp.sum(k * dx1, axis=1)
     tail = (jnp.sum(kg_d, axis=0)
             + whole * jnp.exp(load(g_s.at[fwd.LAST, cols], fwd._COL))
             * load(ddec_ref.at[b, h, n, cols], fwd._COL))
-    d_g = (xs[0] * dx0 + xs[1] * dx1 - k * dk_intra - kg_d
-           + jnp.where(rowh == c - 1, fwd._cols(tail, half), 0.0))
+    d_g = d_g - k * dk_intra - kg_d + jnp.where(rowh == c - 1, fwd._cols(tail, half), 0.0)
     hi = d_g.astype(_BF16)
     hi_s[...] = hi
     lo_s[...] = (d_g - hi.astype(_F32)).astype(_BF16)
