@@ -38,13 +38,13 @@ Segments (segment_ids) mask A_qk and L to one segment, Q_d and K_d to the
 chunk's first segment, K_g to its last, and zero the carried state when a
 segment starts inside the chunk (as chunked.py).
 
-Backward: `chunk_kda_mosaic_gpu` is a `jax.custom_vjp`. backward="kernel"
-(default) is `mosaic_gpu_bwd.backward`: the serial state walks (forward for the
-states, reverse for their gradients) as Mosaic GPU kernels and the chunk-parallel
-gradients as batched XLA einsums (no scan); its GPU tests pass on the H200.
-backward="chunked" is the VJP of the chunked JAX tier (`chunked.chunk_kda` with
-gate_bound -5), which recomputes its own per-chunk states (fp32 HIGHEST, exact,
-1.6x slower: 24.3 against 15.6 ms forward+backward at B=1, T=8192, H=32).
+Backward: `chunk_kda_mosaic_gpu` is a `jax.custom_vjp` (`kernel_vjp.kernel_op`).
+backward="kernel_intra" (default) is `mosaic_gpu_bwd.backward(parts="kernel")`: the
+serial state walks (forward for the states, reverse for their gradients), the parts'
+cotangents and their VJP, all Mosaic GPU kernels; "kernel" does the chunk-parallel
+gradients as batched XLA einsums instead (2.6x slower fwd+bwd); "chunked" is the VJP of
+the chunked JAX tier (`chunked.chunk_kda` with gate_bound -5). All three passed their
+GPU tests on the H200.
 
 Interpret mode (`interpret=True` uses `plgpu.InterpretGPUParams()`): the CPU
 interpreter's wgmma reads both operands from SMEM and cannot start from an

@@ -12,7 +12,7 @@ accumulation). V_new = U + (-W) S_n is formed in the kernel; its bf16 copy takes
 dV_new is the left operand of dW from registers. SMEM (K = V = 128): -W / V_new 16 KiB,
 dO 16 KiB, S_n 32 KiB, dS_n 32 KiB = 96 KiB, 98 KiB with Mosaic's own (two CTAs per SM fit).
 Interpreter against fp32 `chunk_parts_cotangents`: relative L2 errors <= 3.4e-3 (dK_g, dA_qk,
-through bf16 V_new). Not yet run on a GPU (lowered for CUDA in the tests).
+through bf16 V_new). Passed its tests compiled on the H200 (2026-11-30).
 """
 import functools
 

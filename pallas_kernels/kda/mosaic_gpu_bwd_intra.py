@@ -18,7 +18,7 @@ for K = 128, by XLA for K = 64, as the forward), x_0 = scale q, x_1 = beta k:
 XLA runs `mosaic_gpu.prepare` (padding, bf16 q, k, v; the K = 64 cumsum), the cotangents' and
 M's reshapes (dW, dU, M to bf16), and the final slicing and casts. Interpreter against fp32
 `chunk_parts_vjp`: relative L2 errors <= 5.6e-3 (dg), about half from the bf16 inputs. SMEM
-196 KiB at K = V = 128. Not yet run on a GPU (lowered for CUDA in the tests).
+196 KiB at K = V = 128. Passed its tests compiled on the H200 (2026-11-30).
 """
 import functools
 
