@@ -6,9 +6,11 @@ configs over the shared-memory limit are skipped, failures printed), then prints
 results and the best config. Copy the winners into GMM_TABLE / TGMM_TABLE in
 pallas_kernels/ragged_dot/mosaic_gpu.py.
 
-  python3 -m benchmarks.autotune_ragged_dot [--quick] [--out=$OUT/autotune.json]
+  python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small] [--out=...]
 
---quick: the first shape and a short list (18 configs, about a minute).
+--quick: the first shape and a short list (18 configs, about a minute). --shapes: the K3
+expert shapes (default) or k3_small's (G 64, 16384 tokens x top-8 rows, K = N = 512 and the
+fused gate/up N = 1024).
 """
 import argparse
 import dataclasses
@@ -27,6 +29,7 @@ from pallas_kernels.ragged_dot import mosaic_gpu
 
 GmmConfig, TgmmConfig = mosaic_gpu.GmmConfig, mosaic_gpu.TgmmConfig
 GRID_ORDERS = ((0, 8), (0, 16), (1, 4), (1, 1))   # (grid_minor_dim, grid_tile_width)
+SHAPE_SETS = {"k3": SHAPES, "k3_small": ((64, 131072, 512, 1024), (64, 131072, 512, 512))}
 
 
 def full_sweep(product: str) -> list:
@@ -97,9 +100,11 @@ def sweep(shape, product: str, configs) -> list[dict]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="k3")
   parser.add_argument("--out", type=pathlib.Path, default=None)
   args = parser.parse_args()
-  shapes = SHAPES[:1] if args.quick else SHAPES
+  shapes = SHAPE_SETS[args.shapes]
+  shapes = shapes[:1] if args.quick else shapes
   best, everything = [], []
   for shape, product in itertools.product(shapes, ("fwd", "d_lhs", "d_rhs")):
     print(f"== {shape} {product}", flush=True)
