@@ -76,7 +76,9 @@ def jax_fns(impl: str):
   fwd = jax.jit(op)
   def loss(q, k, v, g, beta, do):
     return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do)
-  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  # value_and_grad: the output is computed as well, as in fla's forward + backward (under
+  # jax.grad alone XLA drops the forward kernels whose output only feeds the loss value).
+  fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   return fwd, fwd_bwd
 
 
