@@ -52,7 +52,9 @@ def main(argv):
     graph, _, rest = nnx.split(make_moe(impl), nnx.Param, ...)
     def layer(params, x):
       return nnx.merge(graph, params, rest)(x)[0]
-    return jax.jit(layer), jax.jit(jax.grad(
+    # value_and_grad: the layer's output is computed too (under jax.grad alone XLA drops the
+    # last expert matmul's forward, whose output only feeds the loss value).
+    return jax.jit(layer), jax.jit(jax.value_and_grad(
         lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32)), (0, 1)))
 
   lat = e.latent_size or d
