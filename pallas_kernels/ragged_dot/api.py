@@ -86,59 +86,56 @@ def _pick(order, product: str, label: str, declined: list, *args, **kwargs) -> s
   raise AssertionError("the xla tier takes every call")
 
 
-def _validate_ragged(lhs, rhs, group_sizes) -> None:
+def _validate(lhs, rhs, group_sizes, transposed: bool) -> None:
   _check_floating("lhs", lhs)
   _check_floating("rhs", rhs)
   if lhs.ndim != 2:
     raise ValueError(f"lhs must be [M, K], got shape {lhs.shape}")
-  if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
-    raise ValueError(f"rhs must be [G, K, N] with K = {lhs.shape[1]}, got shape {rhs.shape}")
-  _check_group_sizes(group_sizes, rhs.shape[0])
+  if transposed:
+    if rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
+      raise ValueError(f"rhs must be [M, N] with M = {lhs.shape[0]}, got shape {rhs.shape}")
+    _check_group_sizes(group_sizes, None)
+  else:
+    if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+      raise ValueError(f"rhs must be [G, K, N] with K = {lhs.shape[1]}, got shape {rhs.shape}")
+    _check_group_sizes(group_sizes, rhs.shape[0])
 
 
-def _validate_transposed(lhs, rhs, group_sizes) -> None:
-  _check_floating("lhs", lhs)
-  _check_floating("rhs", rhs)
-  if lhs.ndim != 2:
-    raise ValueError(f"lhs must be [M, K], got shape {lhs.shape}")
-  if rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
-    raise ValueError(f"rhs must be [M, N] with M = {lhs.shape[0]}, got shape {rhs.shape}")
-  _check_group_sizes(group_sizes, None)
+def _plan(lhs, rhs, group_sizes, transposed: bool, preferred_element_type, impl: str | None,
+          interpret: bool) -> Plan:
+  """The tier of each of the three products (forward, d_lhs, d_rhs), first that supports it.
+
+  gmm: forward gmm, d_lhs = gmm(d_out, rhs^T), d_rhs = tgmm(lhs, d_out).
+  tgmm: forward tgmm, d_lhs = gmm(rhs, d_out^T), d_rhs = gmm(lhs, d_out).
+  """
+  _validate(lhs, rhs, group_sizes, transposed)
+  order = _order(impl)
+  out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
+  if transposed:
+    cot = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), lhs.dtype)
+    products = (("tgmm", lhs, rhs), ("gmm", rhs, cot), ("gmm", lhs, cot))
+  else:
+    cot = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+    products = (("gmm", lhs, rhs), ("gmm", cot, rhs), ("tgmm", lhs, cot))
+  declined: list = []
+  tiers = [
+      _pick(order, product, label, declined, a, b, group_sizes, out_dtype=dtype,
+            interpret=interpret, **({"transpose_rhs": True} if label == "d_lhs" else {}))
+      for (product, a, b), label, dtype in zip(products, ("forward", "d_lhs", "d_rhs"),
+                                                (out_dtype, lhs.dtype, rhs.dtype))]
+  return Plan(*tiers, tuple(declined), out_dtype, interpret)
 
 
 def plan(lhs, rhs, group_sizes, *, preferred_element_type=None, impl: str | None = None,
          interpret: bool = False) -> Plan:
   """Tiers that `ragged_dot` would use for these arguments (arrays or ShapeDtypeStructs)."""
-  _validate_ragged(lhs, rhs, group_sizes)
-  order = _order(impl)
-  out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
-  cot = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
-  declined: list = []
-  fwd = _pick(order, "gmm", "forward", declined, lhs, rhs, group_sizes, out_dtype=out_dtype,
-              interpret=interpret)
-  d_lhs = _pick(order, "gmm", "d_lhs", declined, cot, rhs, group_sizes, transpose_rhs=True,
-                out_dtype=lhs.dtype, interpret=interpret)
-  d_rhs = _pick(order, "tgmm", "d_rhs", declined, lhs, cot, group_sizes, out_dtype=rhs.dtype,
-                interpret=interpret)
-  return Plan(fwd, d_lhs, d_rhs, tuple(declined), out_dtype, interpret)
+  return _plan(lhs, rhs, group_sizes, False, preferred_element_type, impl, interpret)
 
 
 def plan_transposed(lhs, rhs, group_sizes, *, preferred_element_type=None,
                     impl: str | None = None, interpret: bool = False) -> Plan:
   """Tiers that `transposed_ragged_dot` would use (d_lhs, d_rhs are gmm products)."""
-  _validate_transposed(lhs, rhs, group_sizes)
-  order = _order(impl)
-  out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
-  g, k, n = group_sizes.shape[0], lhs.shape[1], rhs.shape[1]
-  cot = jax.ShapeDtypeStruct((g, k, n), lhs.dtype)
-  declined: list = []
-  fwd = _pick(order, "tgmm", "forward", declined, lhs, rhs, group_sizes, out_dtype=out_dtype,
-              interpret=interpret)
-  d_lhs = _pick(order, "gmm", "d_lhs", declined, rhs, cot, group_sizes, transpose_rhs=True,
-                out_dtype=lhs.dtype, interpret=interpret)
-  d_rhs = _pick(order, "gmm", "d_rhs", declined, lhs, cot, group_sizes, out_dtype=rhs.dtype,
-                interpret=interpret)
-  return Plan(fwd, d_lhs, d_rhs, tuple(declined), out_dtype, interpret)
+  return _plan(lhs, rhs, group_sizes, True, preferred_element_type, impl, interpret)
 
 
 def _gmm(tier, lhs, rhs, group_sizes, p: Plan, **kwargs):
