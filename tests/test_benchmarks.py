@@ -1,0 +1,54 @@
+"""The benchmark entry points run end to end on CPU at toy sizes and write well-formed records.
+
+Device time is scarce: a script that breaks should break here, not on the H200. No timing is
+asserted (speed lives in benchmarks/), only that each script finishes and what it records.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_module(module: str, *flags: str) -> None:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def records(path: pathlib.Path) -> list[dict]:
+  recs = json.loads(path.read_text())
+  assert isinstance(recs, list) and recs
+  return recs
+
+
+def test_kda_benchmark_writes_one_record_per_impl_and_pass(tmp_path):
+  out = tmp_path / "kda.json"
+  run_module("benchmarks.kda", "--shapes=1x64x1", "--impls=chunked", "--reps=1",
+             f"--out={out}")
+  recs = records(out)
+  assert sorted(r["pass"] for r in recs) == ["fwd", "fwd+bwd"]
+  for r in recs:
+    assert r["implementation"] == "chunked" and (r["B"], r["T"], r["H"]) == (1, 64, 1)
+    assert r["median_ms"] > 0 and r["device"] and r["date"] and "jax" in r["versions"]
+
+
+def test_moe_layer_benchmark_times_every_part(tmp_path):
+  out = tmp_path / "moe.json"
+  run_module("benchmarks.moe_layer", "--config=experiments/configs/k3_tiny.py",
+             "--tokens=64", "--impls=xla", f"--out={out}")
+  names = {r["implementation"] for r in records(out)}
+  assert names == {"layer_fwd_xla", "layer_fwd+bwd_xla", "grouped_gemms_xla",
+                   "routing_and_permutation", "dense_same_flops"}
+
+
+def test_train_step_benchmark_reports_throughput(tmp_path):
+  out = tmp_path / "train.json"
+  run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
+             f"--out={out}")
+  (rec,) = records(out)
+  assert rec["config"] == "k3_tiny" and rec["tokens_per_s"] > 0 and rec["loss"] > 0
+  assert rec["mfu"] > 0 and rec["total_params"] >= rec["active_params"] > 0
