@@ -23,9 +23,10 @@ from pallas_kernels.kda import mosaic_gpu
 _OUT = flags.DEFINE_string("out", "benchmarks/results/kda_h200.json", "Records (JSON list).")
 _SHAPES = flags.DEFINE_list("shapes", ["1x8192x32", "1x8192x96"], "BxTxH, comma separated.")
 _IMPLS = flags.DEFINE_list("impls", ["chunked", "fla", "jla_mosaic_gpu", "jla_chunked"],
-                           "chunked | mosaic_gpu (default backward='kernel_intra') | mosaic_gpu_bwd_xla "
-                           "(backward='kernel': XLA parts) | mosaic_gpu_bwd_chunked (the chunked "
-                           "tier's backward) | fla | jla_mosaic_gpu | jla_chunked")
+                           "chunked | mosaic_gpu (default backward='kernel_intra') | "
+                           "mosaic_gpu_bwd_xla (backward='kernel': XLA parts) | "
+                           "mosaic_gpu_bwd_chunked (the chunked tier's backward) | fla | "
+                           "jla_mosaic_gpu | jla_chunked")
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd+bwd"], "fwd and/or fwd+bwd.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (JAX).")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "",

@@ -65,8 +65,9 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
 
   z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
   The N*k token copies are stably sorted by expert, gathered, and run through grouped
-  matmuls (W1 and W3 as one, on [W1 | W3] [E, l, 2m]); `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be
-  replaced by a grouped-matmul kernel. The routing weight is applied after W2 (late routing
+  matmuls (W1 and W3 as one, on [W1 | W3] [E, l, 2m]);
+  `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be replaced by a
+  grouped-matmul kernel. The routing weight is applied after W2 (late routing
   weights); copies are un-permuted and summed over k in fp32 (no capacity, no drop).
   `dispatch` and `combine` are the permutations, with gather-only VJPs.
   """

@@ -3,8 +3,8 @@
 `parts_vjp` has the contract of `chunked.chunk_parts_vjp(..., gate_bound=-5.0)`: the
 cotangents of (Q_d, W, U, K_g, A_qk, e^{G_C}) (report Eqs. 2-7) and M = (I + L)^{-1} in,
 (dq, dk, dv, dg, dbeta) out. One CTA of two warpgroups per (chunk of C = 64 tokens, head,
-batch), bf16 tensor-core operands, fp32 accumulation. With G = chunk-local cumsum of g (in the kernel
-for K = 128, by XLA for K = 64, as the forward), x_0 = scale q, x_1 = beta k:
+batch), bf16 tensor-core operands, fp32 accumulation. With G = chunk-local cumsum of g (in the
+kernel for K = 128, by XLA for K = 64, as the forward), x_0 = scale q, x_1 = beta k:
   1. UT transform (Eqs. 6-7): dM = dW K_d^T + dU (beta V)^T, dL = -M^T dM M^T, dK_d = M^T dW,
      d(beta V) = M^T dU.
   2. A_qk = Tril(x_0 e^G (k e^-G)^T), L = StrictTril(x_1 e^G (k e^-G)^T) with dP_0 = dA_qk,
