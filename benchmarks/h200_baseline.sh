@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_baseline.sh kda                   # ~8 min: KDA parts, ours vs fla (H 32, 96)
 #   bash benchmarks/h200_baseline.sh kda_quick             # ~4 min: intra-VJP kernel tests, ours timed, spills
 #   bash benchmarks/h200_baseline.sh kda_ptxas             # ~1 min: registers / spills of each KDA kernel
+#   bash benchmarks/h200_baseline.sh kda_trace             # ~1 min: XLA trace of fwd+bwd, time per kernel
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
@@ -57,6 +58,12 @@ PY
         > $OUT/kda_ptxas.log 2>&1
       grep -hE "Compiling|Used|spill" $OUT/kda_ptxas.log $OUT/mosaic_dump/* 2>/dev/null | head -60
       ;;
+    kda_trace)
+      timeout 150 python3 -m benchmarks.kda --shapes=1x8192x32 --reps=5 --out=/tmp/kda_trace.json \
+        --impls=mosaic_gpu --passes=fwd+bwd --profile_dir=/tmp/kda_trace > $OUT/kda_trace.log 2>&1
+      cp "$(find /tmp/kda_trace -name '*.trace.json.gz' | head -1)" $OUT/kda_trace.json.gz
+      python3 -m benchmarks.trace_summary --trace=$OUT/kda_trace.json.gz --top=25
+      ;;
     kda)
       timeout 150 python3 -m benchmarks.kda_parts --parts_out=$OUT/kda_parts_h200.json \
         2>&1 | tee $OUT/kda_parts.log | grep " ms"
@@ -76,7 +83,7 @@ PY
         | tee $OUT/train.log | tail -3
       ;;
     *)
-      echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda, moe, train)"; exit 2
+      echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, moe, train)"; exit 2
       ;;
   esac
 done

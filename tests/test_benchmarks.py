@@ -52,3 +52,19 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
   (rec,) = records(out)
   assert rec["config"] == "k3_tiny" and rec["tokens_per_s"] > 0 and rec["loss"] > 0
   assert rec["mfu"] > 0 and rec["total_params"] >= rec["active_params"] > 0
+
+
+def test_trace_summary_sums_device_ops_only(tmp_path):
+  from benchmarks import trace_summary
+  meta = lambda pid, name: dict(ph="M", name="process_name", pid=pid, args=dict(name=name))
+  op = lambda pid, name, dur: dict(ph="X", pid=pid, tid=1, name=name, ts=0, dur=dur)
+  trace = dict(traceEvents=[
+      meta(1, "/device:GPU:0"), meta(2, "/host:CPU"),
+      op(1, "kda_intra_vjp", 2400.0), op(1, "fusion", 30.0), op(1, "fusion", 20.0),
+      op(1, "kda_state", 200.0), op(2, "PjitFunction(loss)", 9000.0)])
+  assert trace_summary.device_op_times(trace) == [
+      ("kda_intra_vjp", 1, 2400.0), ("kda_state", 1, 200.0), ("fusion", 2, 50.0)]
+  nested = tmp_path / "plugins" / "profile" / "run"
+  nested.mkdir(parents=True)
+  (nested / "vm.trace.json.gz").write_bytes(b"")
+  assert trace_summary.find_trace(str(tmp_path)) == nested / "vm.trace.json.gz"
