@@ -175,11 +175,13 @@ def dstates_kernel(qd, wn, kg, aqk, dec, do, dsf, cfg, interpret):
 
 
 def _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision):
-  """`chunk_parts`' outputs and M = (I + L)^{-1} from the forward's intra kernel (bf16).
+  """`chunk_parts`' outputs, M = (I + L)^{-1} (bf16) and the `prepare`d inputs, from the
+  forward's intra kernel.
 
   W = M K_d and U = M diag(beta) V are formed by XLA (bf16 operands, fp32 accumulation).
   """
-  qp, kp, gp, vp, beta_t, counts, _ = fwd.prepare(q, k, v, g, beta, None, segment_ids)
+  prepared = fwd.prepare(q, k, v, g, beta, None, segment_ids)
+  qp, kp, gp, vp, beta_t, counts, _ = prepared
   qd, kdn, kg, aqk, m, dec = fwd.intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
   b, h, t, c = m.shape
   chunks = lambda x: x.reshape(b, h, t // c, c, x.shape[-1])
@@ -188,7 +190,7 @@ def _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision):
   mix = lambda x: jnp.einsum("bhncj,bhnjx->bhncx", chunks(m), x, precision=precision,
                              preferred_element_type=_F32)
   w = -mix(chunks(kdn))
-  return (chunks(qd), w, mix(beta_v), chunks(kg), chunks(aqk), dec), chunks(m)
+  return (chunks(qd), w, mix(beta_v), chunks(kg), chunks(aqk), dec), chunks(m), prepared
 
 
 @functools.partial(jax.jit,
@@ -210,9 +212,11 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
   if parts == "kernel":
-    parts_out, m = _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision)
+    parts_out, m, prepared = _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp,
+                                                precision)
     parts_vjp = lambda d: mosaic_gpu_bwd_intra.parts_vjp(
-        q, k, v, g, beta, m, d, scale=scale, segment_ids=segment_ids, interpret=interpret)
+        q, k, v, g, beta, m, d, scale=scale, segment_ids=segment_ids, interpret=interpret,
+        prepared=prepared)
   elif parts == "xla":
     parts_out, parts_vjp = jax.vjp(
         functools.partial(chunk_parts, scale=scale, segment_ids=segment_ids,

@@ -268,7 +268,7 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
-              interpret=False) -> tuple[jax.Array, ...]:
+              interpret=False, prepared=None) -> tuple[jax.Array, ...]:
   """`chunked.chunk_parts_vjp(..., gate_bound=-5.0)` on the kernel.
 
   Args:
@@ -277,12 +277,16 @@ def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
     cotangents: (dQ_d, dW [B, H, N, C, K], dU [B, H, N, C, V], dK_g [B, H, N, C, K],
       dA_qk [B, H, N, C, C], d chunk decay [B, H, N, K]), `chunked.chunk_parts`' order.
     interpret: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
+    prepared: `mosaic_gpu.prepare(q, k, v, g, beta, None, segment_ids)` if the caller has it
+      (the kernel backward, from the forward's intra kernel), else computed here.
 
   Returns:
     (dq, dk, dv, dg, dbeta) in the inputs' shapes and dtypes.
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret)
-  qp, kp, gp, vp, beta_t, counts, _ = fwd.prepare(q, k, v, g, beta, None, segment_ids)
+  if prepared is None:
+    prepared = fwd.prepare(q, k, v, g, beta, None, segment_ids)
+  qp, kp, gp, vp, beta_t, counts, _ = prepared
   d_qd, d_w, d_u, d_kg, d_aqk, d_dec = cotangents
   b, h, n, c = m.shape[:4]
 
