@@ -38,11 +38,7 @@ print(f"d2d copy: {2*2**30/ms/1e9:.2f} TB/s (read+write)")
 PY
       ;;
     kda_tests)
-      K3JAX_KDA_TEST_ON_DEVICE=1 timeout 450 python3 -m pytest -q -p no:cacheprovider \
-        tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
-        tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
-        tests/pallas_kernels/test_kda_mosaic_gpu.py \
-        tests/pallas_kernels/test_kda_recurrent_decode.py 2>&1 | tee $OUT/kda_tests.log | tail -5
+      timeout 450 bash benchmarks/kda_kernels_gpu_test.sh 2>&1 | tee $OUT/kda_tests.log | tail -5
       ;;
     kda_quick)
       K3JAX_KDA_TEST_ON_DEVICE=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \

@@ -91,7 +91,7 @@ def parts_of(b, t, h):
               *a, scale=scale, interpret=interpret, block_v=block_v, precision=prec,
               parts=parts)),
           q, k, v, g, beta, h0, None, d_o, h0)
-    parts_k, m = jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd._parts_from_kernel(
+    parts_k, m, _ = jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd._parts_from_kernel(
         *a, None, cfg, interp, prec))(q, k, v, g, beta)
     ms[f"parts_from_kernel_{name}"] = common.time_jax(
         jax.jit(lambda *a, prec=prec: mosaic_gpu_bwd._parts_from_kernel(

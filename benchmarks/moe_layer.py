@@ -4,7 +4,7 @@ Times, in one process on the same inputs: the whole layer forward (and forward+b
 each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
 default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
 permutations (top-k, the layer's `sort_by_expert`, `dispatch` and `combine`) without the expert
-matmuls; the layer's grouped matmuls alone per tier ([W1 | W3] fused, then W2); and a dense bf16
+matmuls; the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and a dense bf16
 matmul of the same FLOPs (the ceiling).
 `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
@@ -76,10 +76,7 @@ def main(argv):
   rows = jax.random.normal(jax.random.key(3), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
 
   def gemms(rr, w1, w3, w2, impl):
-    mm = ragged_dot_of(impl)
-    gate_up = mm(rr, jnp.concatenate([w1, w3], axis=2), sizes)    # as `routed_experts`
-    g, u = jnp.split(gate_up, 2, axis=1)
-    return mm((g * u).astype(jnp.bfloat16), w2, sizes)
+    return latent_moe.expert_ffn(rr, w1, w3, w2, sizes, moe.beta1, moe.beta2, ragged_dot_of(impl))
 
   mi = e.moe_intermediate_size
   gemm_flops = 2 * n * e.num_experts_per_tok * lat * mi * 3

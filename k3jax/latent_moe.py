@@ -65,7 +65,7 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
 
   z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
   The N*k token copies are stably sorted by expert, gathered, and run through grouped
-  matmuls (W1 and W3 as one, on [W1 | W3] [E, l, 2m]);
+  matmuls (`expert_ffn`);
   `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be replaced by a
   grouped-matmul kernel. The routing weight is applied after W2 (late routing
   weights); copies are un-permuted and summed over k in fp32 (no capacity, no drop).
@@ -83,10 +83,21 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
   top_k = experts.shape[1]
   order, inverse, group_sizes = sort_by_expert(experts, num_experts)
   xs = dispatch(z, order, inverse, top_k)
+  out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
+  return combine(out, weights, order, inverse).astype(z.dtype)
+
+
+def expert_ffn(xs: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+               group_sizes: jax.Array, beta1: float, beta2: float,
+               ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
+  """The experts' SiTU-GLU on rows grouped by expert: xs [M, l] -> [M, l] (Eq. 11).
+
+  W1 and W3 run as one grouped matmul on [W1 | W3] [E, l, 2m], then W2.
+  """
   width = w1.shape[2]
   gate_up = ragged_dot(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)
   h = situ_lib.situ(gate_up[:, :width], gate_up[:, width:], beta1, beta2)
-  return combine(ragged_dot(h, w2, group_sizes), weights, order, inverse).astype(z.dtype)
+  return ragged_dot(h, w2, group_sizes)
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:

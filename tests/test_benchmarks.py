@@ -36,6 +36,15 @@ def test_kda_benchmark_writes_one_record_per_impl_and_pass(tmp_path):
     assert r["median_ms"] > 0 and r["device"] and r["date"] and "jax" in r["versions"]
 
 
+def test_kda_parts_benchmark_runs_every_part_in_the_interpreter(tmp_path):
+  out = tmp_path / "parts.json"
+  run_module("benchmarks.kda_parts", "--parts_shapes=1x64x1", "--interpret",
+             f"--parts_out={out}")
+  parts = {r["part"] for r in records(out)}
+  assert {"forward_kernels", "backward_parts_kernel_default", "chunk_parts_vjp_kernel",
+          "cotangents_kernel", "states_kernel", "dstates_kernel"} <= parts
+
+
 def test_moe_layer_benchmark_times_every_part(tmp_path):
   out = tmp_path / "moe.json"
   run_module("benchmarks.moe_layer", "--config=experiments/configs/k3_tiny.py",

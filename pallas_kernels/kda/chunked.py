@@ -309,7 +309,7 @@ def chunk_parts_vjp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta
   d_kd = mm(mt, d_w)
   d_beta_v = mm(mt, d_u)
   d_l = -mm(mm(mt, d_m), mt)
-  d_a = jnp.stack([jnp.where(jnp.logical_and(same, causal), d_aqk, 0),
+  d_a = jnp.stack([jnp.where(same, d_aqk, 0),                       # same is causal already
                    jnp.where(jnp.logical_and(same, strict), d_l, 0)])
   rows = jnp.stack([qc * scale, bc[..., None] * kc])
   d_rows, d_kc, d_G = _intra_chunk_vjp(rows, kc, G, d_a, gate_bound, precision)

@@ -34,7 +34,7 @@ segments and initial state): relative RMS gradient errors <= 3e-3 (parts="xla") 
 <= 5.1e-3 (parts="kernel") against the fp64 recurrence. Compiled on an H200, parts="xla" passes
 the same tests and larger shapes (2026-11-30): at B=1, T=8192, H=32 its backward takes 10.4 ms,
 of which the walk kernels 0.9 ms and the XLA parts the rest (`benchmarks/kda_parts.py`).
-parts="kernel" has not run on a GPU yet.
+parts="kernel" passes them too; it took forward+backward at that shape from 13.0 to 4.05 ms.
 
 `mosaic_gpu` imports this module and this module imports `mosaic_gpu`: use
 `fwd.` names only inside functions.

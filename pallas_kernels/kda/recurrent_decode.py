@@ -14,8 +14,8 @@ the new state block at the end. The per-token prefactors (scale, beta, exp)
 are computed by XLA in fp32 before the kernel. The final state is a separate
 output (`plgpu.kernel` takes no input/output aliases).
 Tested in the Mosaic GPU interpreter against the fp64 recurrence (relative RMS
-<= 3e-7 with fp32 inputs) and lowered for CUDA on CPU; on an H200, 17 of its 20 compiled tests
-have run (all passing).
+<= 3e-7 with fp32 inputs) and lowered for CUDA on CPU; compiled on an H200 it passes all its
+tests (2026-11-30).
 """
 import functools
 
