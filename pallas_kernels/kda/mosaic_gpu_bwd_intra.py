@@ -131,7 +131,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     for slab in range(dv // _WIDE):
       cols = pl.ds(slab * _WIDE, _WIDE)
       d_bv = mma.product(wide, [(m_s.T, du_s.at[:, cols])])
-      dv_ref.at[b, tok, h, cols][...] = d_bv * fwd._rows(beta_vec, wide)
+      dv_ref.at[b, tok, h, cols][...] = (d_bv * fwd._rows(beta_vec, wide)).astype(dv_ref.dtype)
       part = jnp.sum(load(v_s.at[:, cols]).astype(_F32) * d_bv, axis=1)
       d_beta = part if d_beta is None else d_beta + part
     dbeta_s.at[wgs][...] = d_beta
@@ -181,7 +181,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
       g, d, t31 = decays(cols)
       dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
             + to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols]))       # d(scale q)
-      dq_ref.at[b, tok, h, cols][...] = cfg.scale * dx
+      dq_ref.at[b, tok, h, cols][...] = (cfg.scale * dx).astype(dq_ref.dtype)
       d_g = load(q_s.at[:, cols]).astype(_F32) * cfg.scale * dx
 
       diag, low, d_kd = mma.products(
@@ -208,7 +208,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
       if last_vec is not None:
         e_end = e_end * fwd._rows(last_vec, half)
       d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
-      dk_ref.at[b, tok, h, cols][...] = d_k + dk_intra + d_kg
+      dk_ref.at[b, tok, h, cols][...] = (d_k + dk_intra + d_kg).astype(dk_ref.dtype)
       kg_d = k * d_kg
       tail = (jnp.sum(kg_d, axis=0)
               + whole * jnp.exp(load(g_s.at[fwd.LAST, cols], fwd._COL))
@@ -231,23 +231,26 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
 
 
 def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d_dec,
-                     cfg: "fwd._Config", interpret):
+                     cfg: "fwd._Config", interpret, grad_dtypes=(_F32, _F32, _F32)):
   """The kernel on `mosaic_gpu.prepare`d inputs.
 
   q, k bf16, g fp32 (G for K = 64) [B, T, H, K]; v bf16 [B, T, H, V]; beta [B, H, T];
   counts [B, T]; m bf16 [B, H, T, C]; d_w bf16 [B, H, T, K]; d_u bf16 [B, H, T, V];
   d_qd, d_kg fp32 [B, H, T, K]; d_aqk fp32 [B, H, T, C]; d_dec fp32 [B, H, N, K].
-  Returns fp32 dq, dk, dg [B, T, H, K], dv [B, T, H, V], dbeta [B, H, T].
+  Returns dq, dk [B, T, H, K] and dv [B, T, H, V] in `grad_dtypes` (stored from the fp32
+  values: bf16 when the caller would cast to it anyway), fp32 dg [B, T, H, K] and
+  dbeta [B, H, T].
   """
   b, t, h, kd = q.shape
   dv = v.shape[-1]
   c, half_w = fwd.CHUNK, fwd.HALF
   op = fwd._operand
   wgs = _warpgroups(cfg)
-  tok_k = jax.ShapeDtypeStruct((b, t, h, kd), _F32)
+  tok_k = lambda dtype: jax.ShapeDtypeStruct((b, t, h, kd), dtype)
+  dq_t, dk_t, dv_t = grad_dtypes
   call = plgpu.kernel(
       functools.partial(_body, cfg),
-      out_type=(tok_k, tok_k, jax.ShapeDtypeStruct((b, t, h, dv), _F32), tok_k,
+      out_type=(tok_k(dq_t), tok_k(dk_t), jax.ShapeDtypeStruct((b, t, h, dv), dv_t), tok_k(_F32),
                 jax.ShapeDtypeStruct((b, h, t), _F32)),
       scratch_types=[
           op((c, kd)), op((c, kd)), plgpu.SMEM((c, kd), _F32), op((c, c)), op((c, kd)),
@@ -296,7 +299,8 @@ def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
   dq, dk, dv, dg, dbeta = intra_vjp_kernel(
       qp, kp, gp, vp, beta_t, counts, tokens(m, _BF16), tokens(d_w, _BF16),
       tokens(d_u, _BF16), tokens(d_qd, _F32), tokens(d_kg, _F32), tokens(d_aqk, _F32),
-      d_dec.astype(_F32), cfg, interp)
+      d_dec.astype(_F32), cfg, interp,
+      tuple(jnp.promote_types(x.dtype, _BF16) for x in (q, k, v)))
   t = q.shape[1]
   return (dq[:, :t].astype(q.dtype), dk[:, :t].astype(k.dtype), dv[:, :t].astype(v.dtype),
           dg[:, :t].astype(g.dtype), jnp.swapaxes(dbeta, 1, 2)[:, :t].astype(beta.dtype))
