@@ -11,8 +11,9 @@ is summed from the fp32 values, and bf16 copies of S_n, dS_n are the tensor-core
 accumulation). V_new = U + (-W) S_n is formed in the kernel; its bf16 copy takes -W's SMEM.
 dV_new is the left operand of dW from registers. SMEM (K = V = 128): -W / V_new 16 KiB,
 dO 16 KiB, S_n 32 KiB, dS_n 32 KiB = 96 KiB, 98 KiB with Mosaic's own (two CTAs per SM fit).
-Interpreter against fp32 `chunk_parts_cotangents`: relative L2 errors <= 3.4e-3 (dK_g, dA_qk,
-through bf16 V_new). Passed its tests compiled on the H200 (2026-11-30).
+dW and dA_qk are written in bf16 (the intra-VJP kernel uses them only as bf16 tensor-core
+operands). Interpreter against fp32 `chunk_parts_cotangents`: relative L2 errors <= 3.4e-3
+(dK_g, dA_qk, through bf16 V_new) before the bf16 outputs. Passed its tests compiled on the H200 (2026-11-30).
 """
 import functools
 
@@ -64,9 +65,9 @@ def _body(cfg, wn_ref, u_ref, s_ref, ds_ref, dvn_ref, do_ref,
   dvn = [(fwd._Regs((-load(dvn_ref.at[b, h, tok, pl.ds(j, wide)])).astype(_BF16)),
           s_s.at[:, pl.ds(j, wide)].T) for j in range(0, dv, wide)]
   d_w, d_kg = mma.products(((c, kd), dvn, None), ((c, kd), [(vn_s, ds_s.T)], None))
-  dw_ref.at[b, h, tok][...] = d_w
+  dw_ref.at[b, h, tok][...] = d_w.astype(dw_ref.dtype)
   dkg_ref.at[b, h, tok][...] = d_kg
-  daqk_ref.at[b, h, tok][...] = mma.product((c, c), [(do_s, vn_s.T)])
+  daqk_ref.at[b, h, tok][...] = mma.product((c, c), [(do_s, vn_s.T)]).astype(daqk_ref.dtype)
 
 
 def cotangents_kernel(wn, u, s_in, ds, dvn, do, cfg: "fwd._Config", interpret):
@@ -74,14 +75,16 @@ def cotangents_kernel(wn, u, s_in, ds, dvn, do, cfg: "fwd._Config", interpret):
 
   wn = -W bf16 [B, H, T, K]; u fp32 [B, H, T, V]; s_in, ds fp32 [B, H, N, K, V] (S_n entering
   chunk n, dS_n = dL/dS_{n+1}); dvn fp32 [B, H, T, V]; do bf16 [B, T, H, V]; T = N * 64.
-  Returns fp32 (dQ_d, dW, dK_g [B, H, T, K], dA_qk [B, H, T, C], d(e^{G_C}) [B, H, N, K]).
+  Returns (dQ_d fp32, dW bf16, dK_g fp32 [B, H, T, K], dA_qk bf16 [B, H, T, C],
+  d(e^{G_C}) fp32 [B, H, N, K]): dW and dA_qk are only ever tensor-core operands of the
+  intra-VJP kernel, so they leave in bf16.
   """
   b, h, t, dv = u.shape
   kd, c, op = cfg.key_dim, fwd.CHUNK, fwd._operand
-  tok_k = jax.ShapeDtypeStruct((b, h, t, kd), _F32)
+  tok_k = lambda dtype: jax.ShapeDtypeStruct((b, h, t, kd), dtype)
   call = plgpu.kernel(
       functools.partial(_body, cfg),
-      out_type=(tok_k, tok_k, tok_k, jax.ShapeDtypeStruct((b, h, t, c), _F32),
+      out_type=(tok_k(_F32), tok_k(_BF16), tok_k(_F32), jax.ShapeDtypeStruct((b, h, t, c), _BF16),
                 jax.ShapeDtypeStruct((b, h, cfg.num_chunks, kd), _F32)),
       scratch_types=[
           plgpu.RefUnion(op((c, kd)), op((c, dv))), op((c, dv)), op((kd, dv)), op((kd, dv)),
@@ -119,4 +122,5 @@ def cotangents(w, u, s_in, ds, dvn, do, *, interpret=False) -> tuple[jax.Array, 
       tokens(-w, _BF16), tokens(u, _F32), s_in.astype(_F32), ds.astype(_F32),
       tokens(dvn, _F32), do_t, cfg, interpret or None)
   chunks = lambda x: x.reshape(b, h, n, c, x.shape[-1])
-  return (chunks(d_qd), chunks(d_w), dvn.astype(_F32), chunks(d_kg), chunks(d_aqk), d_dec)
+  return (chunks(d_qd), chunks(d_w).astype(_F32), dvn.astype(_F32), chunks(d_kg),
+          chunks(d_aqk).astype(_F32), d_dec)

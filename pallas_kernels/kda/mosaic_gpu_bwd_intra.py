@@ -126,7 +126,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
 
   @pl.when(wg == wgs - 1)
   def _():
-    split_dp(0, jnp.where(causal, load(daqk_ref.at[b, h, tok]), 0.0))
+    split_dp(0, jnp.where(causal, load(daqk_ref.at[b, h, tok]).astype(_F32), 0.0))
     d_beta = None
     for slab in range(dv // _WIDE):
       cols = pl.ds(slab * _WIDE, _WIDE)
@@ -236,7 +236,7 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
 
   q, k bf16, g fp32 (G for K = 64) [B, T, H, K]; v bf16 [B, T, H, V]; beta [B, H, T];
   counts [B, T]; m bf16 [B, H, T, C]; d_w bf16 [B, H, T, K]; d_u bf16 [B, H, T, V];
-  d_qd, d_kg fp32 [B, H, T, K]; d_aqk fp32 [B, H, T, C]; d_dec fp32 [B, H, N, K].
+  d_qd, d_kg fp32 [B, H, T, K]; d_aqk bf16 [B, H, T, C]; d_dec fp32 [B, H, N, K].
   Returns dq, dk [B, T, H, K] and dv [B, T, H, V] in `grad_dtypes` (stored from the fp32
   values: bf16 when the caller would cast to it anyway), fp32 dg [B, T, H, K] and
   dbeta [B, H, T].
@@ -298,7 +298,7 @@ def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
 
   dq, dk, dv, dg, dbeta = intra_vjp_kernel(
       qp, kp, gp, vp, beta_t, counts, tokens(m, _BF16), tokens(d_w, _BF16),
-      tokens(d_u, _BF16), tokens(d_qd, _F32), tokens(d_kg, _F32), tokens(d_aqk, _F32),
+      tokens(d_u, _BF16), tokens(d_qd, _F32), tokens(d_kg, _F32), tokens(d_aqk, _BF16),
       d_dec.astype(_F32), cfg, interp,
       tuple(jnp.promote_types(x.dtype, _BF16) for x in (q, k, v)))
   t = q.shape[1]
