@@ -6,11 +6,12 @@ configs over the shared-memory limit are skipped, failures printed), then prints
 results and the best config. Copy the winners into GMM_TABLE / TGMM_TABLE in
 pallas_kernels/ragged_dot/mosaic_gpu.py.
 
-  python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small] [--out=...]
+  python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small|toy] [--out=...]
 
 --quick: the first shape and a short list (18 configs, about a minute). --shapes: the K3
 expert shapes (default) or k3_small's (G 64, 16384 tokens x top-8 rows, K = N = 512 and the
-fused gate/up N = 1024).
+fused gate/up N = 1024) or "toy" (G 2, 256 rows, K = N = 256). --interpret: run the kernels in
+the Mosaic GPU interpreter (CPU; with --shapes=toy, the test that keeps the script working).
 """
 import argparse
 import dataclasses
@@ -21,15 +22,16 @@ import pathlib
 import jax
 
 from benchmarks.moe_gemm import SHAPES
+from benchmarks import common
 from benchmarks.moe_gemm import dirichlet_sizes
 from benchmarks.moe_gemm import make_inputs
 from benchmarks.moe_gemm import tflops
-from benchmarks.moe_gemm import time_jax
 from pallas_kernels.ragged_dot import mosaic_gpu
 
 GmmConfig, TgmmConfig = mosaic_gpu.GmmConfig, mosaic_gpu.TgmmConfig
 GRID_ORDERS = ((0, 8), (0, 16), (1, 4), (1, 1))   # (grid_minor_dim, grid_tile_width)
-SHAPE_SETS = {"k3": SHAPES, "k3_small": ((64, 131072, 512, 1024), (64, 131072, 512, 512))}
+SHAPE_SETS = {"k3": SHAPES, "k3_small": ((64, 131072, 512, 1024), (64, 131072, 512, 512)),
+              "toy": ((2, 256, 256, 256),)}
 
 
 def full_sweep(product: str) -> list:
@@ -64,29 +66,32 @@ def quick_sweep(product: str) -> list:
           for c in (2, 1) for d, t in ((1, 4), (1, 2), (0, 8))]
 
 
-def product_fn(product: str, cfg):
+def product_fn(product: str, cfg, interpret: bool):
+  kw = dict(config=cfg, interpret=interpret)
   if product == "fwd":
-    return jax.jit(lambda x, w, dy, gs: mosaic_gpu.gmm(x, w, gs, config=cfg))
+    return jax.jit(lambda x, w, dy, gs: mosaic_gpu.gmm(x, w, gs, **kw))
   if product == "d_lhs":
-    return jax.jit(lambda x, w, dy, gs: mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True,
-                                                       config=cfg))
-  return jax.jit(lambda x, w, dy, gs: mosaic_gpu.tgmm(x, dy, gs, config=cfg))
+    return jax.jit(lambda x, w, dy, gs: mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True, **kw))
+  return jax.jit(lambda x, w, dy, gs: mosaic_gpu.tgmm(x, dy, gs, **kw))
 
 
-def sweep(shape, product: str, configs) -> list[dict]:
+def sweep(shape, product: str, configs, interpret: bool = False) -> list[dict]:
   g, m, k, n = shape
   x, w, dy, gs = make_inputs(g, m, k, n, dirichlet_sizes(g, m, seed=g + k))
   args = {"fwd": (x, w, gs), "d_lhs": (dy, w, gs), "d_rhs": (x, dy, gs)}[product]
   check = {"fwd": mosaic_gpu.supports_gmm, "d_lhs": mosaic_gpu.supports_gmm,
            "d_rhs": mosaic_gpu.supports_tgmm}[product]
   kwargs = {"transpose_rhs": True} if product == "d_lhs" else {}
+  kwargs["interpret"] = interpret
   results = []
   for cfg in configs:
     if reason := check(*args, config=cfg, **kwargs):
       print(f"  skip {cfg}: {reason}")
       continue
     try:
-      ms = time_jax(product_fn(product, cfg), x, w, dy, gs, reps=20, budget_s=1.0)
+      ms = common.time_jax(product_fn(product, cfg, interpret), x, w, dy, gs,
+                           warmup=1 if interpret else 3, reps=1 if interpret else 20,
+                           budget_s=1.0)
     except Exception as e:  # noqa: BLE001  (one config failing must not stop the sweep)
       print(f"  FAIL {cfg}: {type(e).__name__}: {str(e)[:300]}")
       continue
@@ -102,6 +107,7 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="k3")
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--interpret", action="store_true")
   args = parser.parse_args()
   shapes = SHAPE_SETS[args.shapes]
   shapes = shapes[:1] if args.quick else shapes
@@ -109,7 +115,7 @@ def main() -> None:
   for shape, product in itertools.product(shapes, ("fwd", "d_lhs", "d_rhs")):
     print(f"== {shape} {product}", flush=True)
     configs = quick_sweep(product) if args.quick else full_sweep(product)
-    results = sweep(shape, product, configs)
+    results = sweep(shape, product, configs, args.interpret)
     everything += results
     if results:
       best.append(results[0])

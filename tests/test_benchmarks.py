@@ -54,6 +54,15 @@ def test_moe_layer_benchmark_times_every_part(tmp_path):
                    "routing_and_permutation", "dense_same_flops"}
 
 
+def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
+  out = tmp_path / "autotune.json"
+  run_module("benchmarks.autotune_ragged_dot", "--quick", "--shapes=toy", "--interpret",
+             f"--out={out}")
+  recs = records(out)
+  assert {r["product"] for r in recs} == {"fwd", "d_lhs", "d_rhs"}
+  assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
+
+
 def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
