@@ -4,7 +4,9 @@ Same inputs for every implementation, one process: bf16 q, k, v; fp32 log-decay 
 beta after the sigmoid; K = V = 128; q, k L2-normalised inside the timed op
 (`use_qk_l2norm_in_kernel=True` for fla and ours: in the intra kernel for the Mosaic GPU tier,
 by XLA for the chunked one). fwd = forward only; fwd+bwd = forward and backward for all of
-q, k, v, g, beta. Run: `python3 -m benchmarks.kda --out=$OUT/kda.json`.
+q, k, v, g, beta. With fla among the implementations, each output and each gradient is compared
+with fla's (relative L2, in the printed table and the records).
+Run: `python3 -m benchmarks.kda --out=$OUT/kda.json`.
 """
 import os
 import traceback
@@ -45,6 +47,13 @@ def kda_flops(b: int, t: int, h: int, d: int = 128, c: int = 64) -> float:
 def kda_bytes(b: int, t: int, h: int, d: int = 128) -> float:
   """Forward HBM bytes at minimum: q, k, v, o in bf16, g in fp32, beta in fp32."""
   return b * t * h * (4 * d * 2 + d * 4 + 4)
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def rel_l2(a, ref) -> float:
+  return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
 
 
 def make_inputs(b, t, h, d=128, seed=0):
@@ -97,6 +106,8 @@ def run_jax(impl, x, passes, reps):
     out["_o"] = np.asarray(fwd(*args).astype(jnp.float32))
   if "fwd+bwd" in passes:
     out["fwd+bwd"] = common.time_jax(fwd_bwd, *args, bf(x["do"]), reps=max(reps // 2, 5))
+    grads = fwd_bwd(*args, bf(x["do"]))[1]
+    out["_grads"] = [np.asarray(a.astype(jnp.float32)) for a in grads]
   return out
 
 
@@ -121,6 +132,8 @@ def run_fla(x, passes):
         a.grad = None
       chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)[0].backward(do)
     out["fwd+bwd"] = common.time_torch(fb)
+    fb()
+    out["_grads"] = [a.grad.float().cpu().numpy() for a in leaves]
   return out
 
 
@@ -131,7 +144,7 @@ def main(argv):
   for shape in _SHAPES.value:
     b, t, h = (int(s) for s in shape.split("x"))
     x = make_inputs(b, t, h)
-    outputs = {}
+    outputs, grads = {}, {}
     for impl in _IMPLS.value:
       try:
         res = run_fla(x, _PASSES.value) if impl == "fla" else run_jax(impl, x, _PASSES.value,
@@ -144,6 +157,8 @@ def main(argv):
         continue
       if "_o" in res:
         outputs[impl] = res.pop("_o")
+      if "_grads" in res:
+        grads[impl] = res.pop("_grads")
       for p, ms in res.items():
         flops = kda_flops(b, t, h) * (1 if p == "fwd" else 3)
         rec = dict(op="chunk_kda", implementation=impl, **{"pass": p}, B=b, T=t, H=h, K=128,
@@ -159,12 +174,21 @@ def main(argv):
     if "fla" in outputs:
       ref = outputs["fla"]
       for impl, o in outputs.items():
-        err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+        err = rel_l2(o, ref)
         rows.append(f"{shape:>12s} {impl:>16s} rel L2 vs fla {err:.2e}")
         for r in records:
           if r.get("implementation") == impl and r.get("T") == t and r.get("H") == h and \
              r.get("B") == b and r.get("pass") == "fwd":
             r["rel_err_vs_fla"] = err
+    if "fla" in grads:
+      for impl, gs in grads.items():
+        errs = {n: rel_l2(a, w) for n, a, w in zip(GRAD_NAMES, gs, grads["fla"])}
+        rows.append(f"{shape:>12s} {impl:>16s} grad rel L2 vs fla "
+                    + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        for r in records:
+          if r.get("implementation") == impl and r.get("T") == t and r.get("H") == h and \
+             r.get("B") == b and r.get("pass") == "fwd+bwd":
+            r["grad_rel_err_vs_fla"] = errs
   common.merge_records(_OUT.value, records, _KEY)
   print("\n".join(rows))
 
