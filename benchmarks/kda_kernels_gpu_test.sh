@@ -22,7 +22,8 @@ if [[ "$mode" != "--bench-only" ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kda_mosaic_gpu.py \
     tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
     tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
-    tests/pallas_kernels/test_kda_recurrent_decode.py
+    tests/pallas_kernels/test_kda_recurrent_decode.py \
+    tests/pallas_kernels/test_mosaic_gpu_patterns.py
 fi
 if [[ "$mode" != "--bench" && "$mode" != "--bench-only" ]]; then
   exit 0

@@ -13,20 +13,26 @@ kernel for K = 128, by XLA for K = 64, as the forward), x_0 = scale q, x_1 = bet
      32-token halves, 31 for the lower-left block; exponents in [-80, 80] for g >= -5). dP
      sits in SMEM split into its diagonal halves and its lower-left block, one anchor each.
   3. The elementwise terms of Q_d, K_d (first segment), K_g (last), e^{G_C} (one segment);
-     dg = reverse cumsum of dG within the chunk, as a product with the upper-triangular ones,
-     dG split into bf16 hi + lo (error ~2^-17 |dG|).
+     dg = reverse cumsum of dG within the chunk, as products with the upper-triangular ones U:
+     dg = U dG + U^T (K_g's term) - (K_g's term) + (e^{G_C}'s term), the operands split into
+     bf16 hi + lo (error ~2^-17 of each term).
 Warpgroup 0 issues the TMA loads, forms G, dM and dL; warpgroup 1 meanwhile dA_qk's SMEM
-copy, dv and beta's V term; steps 2-3 run per 32-channel K-slab, slabs 0, 2 on warpgroup 0
-and 1, 3 on warpgroup 1, each with its own scratch (in a union with step 1's buffers). The
+copy, U, dv and beta's V term; steps 2-3 run per 32-channel K-slab, slabs 0, 2 on warpgroup 0
+and 1, 3 on warpgroup 1, both warpgroups on one code path (the slab index traced from the
+warpgroup index, per-warpgroup scratch stacked in a union with step 1's buffers). The
 interpreter runs the same code with one warpgroup doing every part (`_warpgroups`); the
-two-warpgroup kernel is lowered for CUDA in the CPU tests and runs in the GPU tests. With
-one warpgroup (until 2026-11-30) the kernel took 2.46 ms at B=1, T=8192, H=32 on the H200,
-its steps back to back with nothing to overlap them (the CTA is alone on its SM).
+two-warpgroup kernel is lowered for CUDA in the CPU tests and runs in the GPU tests.
+No reduction over rows (axis 0) in the slab loop: Mosaic GPU's cross-warp reduction goes
+through scratch that both warpgroups share, and with both running it the sums came out wrong
+on the H200 (tests/pallas_kernels/test_mosaic_gpu_patterns.py; the dg of the two-path kernel was
+0.29 off fla's at T = 8192, likely the same race). The column sum of K_g's term that the
+chunk's last row needs is U^T's product instead.
 XLA runs `mosaic_gpu.prepare` (padding, bf16 q, k, v; the K = 64 cumsum), the cotangents' and
-M's reshapes (dW, dU, M to bf16), and the final slicing and casts. Interpreter against fp32
+M's reshapes (dW, dU, M to bf16), and the final slicing. Interpreter against fp32
 `chunk_parts_vjp`: relative L2 errors <= 5.6e-3 (dg), about half from the bf16 inputs. SMEM
-~205 KiB at K = V = 128. Passed its tests compiled on the H200 (2026-11-30); fwd+bwd of the
-whole op at B=1, T=8192, H=32 went from 4.93 ms (one warpgroup) to 4.05 ms.
+~205 KiB at K = V = 128. Passed its tests compiled on the H200 (2026-11-30). Fwd+bwd of the
+whole op at B=1, T=8192 (value_and_grad): 4.32 ms with two code paths, 3.61 ms with one at
+H=32 (11.9 -> 9.49 ms at H=96).
 """
 import functools
 
@@ -52,7 +58,8 @@ def _warpgroups(cfg) -> int:
 def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_ref,
           dqd_ref, dkg_ref, daqk_ref, ddec_ref,
           dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
-          q_s, k_s, g_s, m_s, dw_s, dp_s, beta_s, cnt_s, dbeta_s, union, bar, syncs, *stage):
+          q_s, k_s, g_s, m_s, dw_s, dp_s, u_s, beta_s, cnt_s, dbeta_s, union, bar, syncs,
+          *stage):
   """One chunk: (dq, dk, dv, dG reverse-summed = dg, dbeta) (see the module doc)."""
   c, kd, dv, half_w = fwd.CHUNK, cfg.key_dim, v_ref.shape[-1], fwd.HALF
   (kd_s, v_s, bv_s, du_s, dm_s), per_wg = union
@@ -127,6 +134,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
   @pl.when(wg == wgs - 1)
   def _():
     split_dp(0, jnp.where(causal, load(daqk_ref.at[b, h, tok]).astype(_F32), 0.0))
+    u_s[...] = jnp.where(row <= col, 1.0, 0.0).astype(_BF16)  # reverse cumsum over rows
     d_beta = None
     for slab in range(dv // _WIDE):
       cols = pl.ds(slab * _WIDE, _WIDE)
@@ -157,72 +165,76 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     e_g = jnp.exp(g)
     return e_g if first_vec is None else e_g * fwd._rows(first_vec, half)
 
-  def slabs(w):
-    """Warpgroup w's slabs w, w + wgs, ...; its beta gradient into dbeta_s[w]."""
-    kmid_s, k31_s, xup_s, x31_s, hi_s, lo_s, u_s = per_wg[w]
-    u_s[...] = jnp.where(row <= col, 1.0, 0.0).astype(_BF16)  # reverse cumsum over rows
-    d_beta = None
-    # Each product group's results are consumed before the next is issued, and the slab's
-    # decays are recomputed from SMEM, so that fewer [C, 32] fp32 arrays are live at once.
-    for slab in range(w, kd // half_w, wgs):
-      cols = pl.ds(slab * half_w, half_w)
-      g, d, t31 = decays(cols)
-      k = load(k_s.at[:, cols]).astype(_F32)
-      e_up = jnp.exp(d)
-      kmid_s[...] = (k * jnp.exp(-d)).astype(_BF16)
-      k31_s[...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
-      for z, x in enumerate((load(q_s.at[:, cols]).astype(_F32) * cfg.scale, k * beta)):
-        xup_s.at[z][...] = (x * e_up).astype(_BF16)
-        x31_s.at[z][...] = jnp.where(second, x * t31, 0.0).astype(_BF16)
-      plgpu.commit_smem()
+  # One code path for both warpgroups (the slab index is traced from `wg`): two instruction
+  # streams compete for the instruction cache (4.32 -> 3.61 ms fwd+bwd at H=32).
+  kmid_s, k31_s, xup_s, x31_s, hi_s, lo_s = (x.at[wg] for x in per_wg)
+  d_beta = None
+  # Each product group's results are consumed before the next is issued, and the slab's
+  # decays are recomputed from SMEM, so that fewer [C, 32] fp32 arrays are live at once.
+  for i in range(kd // half_w // wgs):
+    cols = pl.ds(pl.multiple_of((wg + wgs * i) * half_w, half_w), half_w)
+    g, d, t31 = decays(cols)
+    k = load(k_s.at[:, cols]).astype(_F32)
+    e_up = jnp.exp(d)
+    kmid_s[...] = (k * jnp.exp(-d)).astype(_BF16)
+    k31_s[...] = jnp.where(second, 0.0, k * t31).astype(_BF16)
+    for z, x in enumerate((load(q_s.at[:, cols]).astype(_F32) * cfg.scale, k * beta)):
+      xup_s.at[z][...] = (x * e_up).astype(_BF16)
+      x31_s.at[z][...] = jnp.where(second, x * t31, 0.0).astype(_BF16)
+    plgpu.commit_smem()
 
-      diag, low = mma.products((half, [(dp_s.at[0], kmid_s)], None),
-                               (half, [(dp_s.at[2, :, top], k31_s.at[top])], None))
-      g, d, t31 = decays(cols)
-      dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
-            + to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols]))       # d(scale q)
-      dq_ref.at[b, tok, h, cols][...] = (cfg.scale * dx).astype(dq_ref.dtype)
-      d_g = load(q_s.at[:, cols]).astype(_F32) * cfg.scale * dx
+    diag, low = mma.products((half, [(dp_s.at[0], kmid_s)], None),
+                             (half, [(dp_s.at[2, :, top], k31_s.at[top])], None))
+    g, d, t31 = decays(cols)
+    dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
+          + to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols]))       # d(scale q)
+    dq_ref.at[b, tok, h, cols][...] = (cfg.scale * dx).astype(dq_ref.dtype)
+    d_g = load(q_s.at[:, cols]).astype(_F32) * cfg.scale * dx
 
-      diag, low, d_kd = mma.products(
-          (half, [(dp_s.at[1], kmid_s)], None),
-          (half, [(dp_s.at[3, :, top], k31_s.at[top])], None),
-          (half, [(m_s.T, dw_s.at[:, cols])], None))
-      g, d, t31 = decays(cols)
-      dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
-            + to_chunk_start(g) * d_kd)                                     # d(beta k)
-      k = load(k_s.at[:, cols]).astype(_F32)
-      part = jnp.sum(k * dx, axis=1)
-      d_beta = part if d_beta is None else d_beta + part
-      d_g = d_g + k * beta * dx
-      d_k = beta * dx
+    diag, low, d_kd = mma.products(
+        (half, [(dp_s.at[1], kmid_s)], None),
+        (half, [(dp_s.at[3, :, top], k31_s.at[top])], None),
+        (half, [(m_s.T, dw_s.at[:, cols])], None))
+    g, d, t31 = decays(cols)
+    dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
+          + to_chunk_start(g) * d_kd)                                     # d(beta k)
+    k = load(k_s.at[:, cols]).astype(_F32)
+    part = jnp.sum(k * dx, axis=1)
+    d_beta = part if d_beta is None else d_beta + part
+    d_g = d_g + k * beta * dx
+    d_k = beta * dx
 
-      diag, low = mma.products(
-          (half, [(dp_s.at[0].T, xup_s.at[0]), (dp_s.at[1].T, xup_s.at[1])], None),
-          (half, [(dp_s.at[2, bottom].T, x31_s.at[0, bottom]),
-                  (dp_s.at[3, bottom].T, x31_s.at[1, bottom])], None))
-      g, d, t31 = decays(cols)
-      k = load(k_s.at[:, cols]).astype(_F32)
-      dk_intra = jnp.exp(-d) * diag + jnp.where(second, 0.0, t31) * low
-      e_end = jnp.exp(fwd._cols(load(g_s.at[fwd.LAST, cols], fwd._COL), half) - g)
-      if last_vec is not None:
-        e_end = e_end * fwd._rows(last_vec, half)
-      d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
-      dk_ref.at[b, tok, h, cols][...] = (d_k + dk_intra + d_kg).astype(dk_ref.dtype)
-      kg_d = k * d_kg
-      tail = (jnp.sum(kg_d, axis=0)
-              + whole * jnp.exp(load(g_s.at[fwd.LAST, cols], fwd._COL))
-              * load(ddec_ref.at[b, h, n, cols], fwd._COL))
-      d_g = d_g - k * dk_intra - kg_d + jnp.where(rowh == c - 1, fwd._cols(tail, half), 0.0)
-      hi = d_g.astype(_BF16)
-      hi_s[...] = hi
-      lo_s[...] = (d_g - hi.astype(_F32)).astype(_BF16)
-      plgpu.commit_smem()
-      dg_ref.at[b, tok, h, cols][...] = mma.product(half, [(u_s, hi_s), (u_s, lo_s)])
-    dbeta_s.at[w][...] = d_beta
+    diag, low = mma.products(
+        (half, [(dp_s.at[0].T, xup_s.at[0]), (dp_s.at[1].T, xup_s.at[1])], None),
+        (half, [(dp_s.at[2, bottom].T, x31_s.at[0, bottom]),
+                (dp_s.at[3, bottom].T, x31_s.at[1, bottom])], None))
+    g, d, t31 = decays(cols)
+    k = load(k_s.at[:, cols]).astype(_F32)
+    dk_intra = jnp.exp(-d) * diag + jnp.where(second, 0.0, t31) * low
+    e_end = jnp.exp(fwd._cols(load(g_s.at[fwd.LAST, cols], fwd._COL), half) - g)
+    if last_vec is not None:
+      e_end = e_end * fwd._rows(last_vec, half)
+    d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
+    dk_ref.at[b, tok, h, cols][...] = (d_k + dk_intra + d_kg).astype(dk_ref.dtype)
+    # dg = U (dG - kg_d + e_last (sum_j kg_d_j + chunk-decay term)) = U dG + U^T kg_d - kg_d
+    # + chunk-decay term: the column sum on the tensor cores (no cross-warp reduction, see the
+    # module doc). kmid_s and k31_s are free again (their products were read above).
+    kg_d = k * d_kg
+    d_g = d_g - k * dk_intra
+    for x, (x_hi, x_lo) in ((d_g, (hi_s, lo_s)), (kg_d, (kmid_s, k31_s))):
+      hi = x.astype(_BF16)
+      x_hi[...] = hi
+      x_lo[...] = (x - hi.astype(_F32)).astype(_BF16)
+    plgpu.commit_smem()
+    d_dec = (whole * jnp.exp(load(g_s.at[fwd.LAST, cols], fwd._COL))
+             * load(ddec_ref.at[b, h, n, cols], fwd._COL))
+    cum = mma.product(half, [(u_s, hi_s), (u_s, lo_s), (u_s.T, kmid_s), (u_s.T, k31_s)])
+    dg_ref.at[b, tok, h, cols][...] = cum - kg_d + fwd._cols(d_dec, half)
+  for w in range(wgs):          # static rows of dbeta_s
 
-  for w in range(wgs):
-    pl.when(wg == w)(functools.partial(slabs, w))
+    @pl.when(wg == w)
+    def _():
+      dbeta_s.at[w][...] = d_beta
   both_done(1)
 
   @pl.when(wg == 0)
@@ -254,12 +266,12 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
                 jax.ShapeDtypeStruct((b, h, t), _F32)),
       scratch_types=[
           op((c, kd)), op((c, kd)), plgpu.SMEM((c, kd), _F32), op((c, c)), op((c, kd)),
-          op((4, c, c)), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
+          op((4, c, c)), op((c, c)), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
           plgpu.SMEM((wgs + 1, c), _F32),
           plgpu.RefUnion((op((c, kd)), op((c, dv)), op((c, dv)), op((c, dv)), op((c, c))),
-                         tuple((op((c, half_w)), op((c, half_w)), op((2, c, half_w)),
-                                op((2, c, half_w)), op((c, half_w)), op((c, half_w)),
-                                op((c, c))) for _ in range(wgs))),
+                         (op((wgs, c, half_w)), op((wgs, c, half_w)), op((wgs, 2, c, half_w)),
+                          op((wgs, 2, c, half_w)), op((wgs, c, half_w)),
+                          op((wgs, c, half_w)))),
           plgpu.Barrier(num_arrivals=9 if cfg.has_segments else 8),
           plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
           *fwd._stage(cfg)],
