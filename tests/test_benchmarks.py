@@ -45,10 +45,24 @@ def test_kda_parts_benchmark_runs_every_part_in_the_interpreter(tmp_path):
           "cotangents_kernel", "states_kernel", "dstates_kernel"} <= parts
 
 
+def test_kda_accuracy_compares_each_implementation_with_fp64(tmp_path):
+  out = tmp_path / "acc.json"
+  run_module("benchmarks.kda_accuracy", "--shapes=1x128x1", "--impls=chunked,mosaic_gpu",
+             "--interpret", "--head_group=1", f"--accuracy_out={out}")
+  recs = records(out)
+  assert [r["implementation"] for r in recs] == ["chunked", "mosaic_gpu"]
+  for r in recs:
+    errs = r["rel_l2_vs_fp64"]
+    assert set(errs) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+    assert all(0 < e < 1e-2 for e in errs.values()), errs
+
+
 def test_moe_layer_benchmark_times_every_part(tmp_path):
   out = tmp_path / "moe.json"
   run_module("benchmarks.moe_layer", "--config=experiments/configs/k3_tiny.py",
-             "--tokens=64", "--impls=xla", f"--out={out}")
+             "--tokens=64", "--impls=xla", f"--out={out}", f"--profile_dir={tmp_path}/trace")
+  for part in ("xla", "routing"):
+    assert list((tmp_path / "trace" / part).rglob("*.trace.json.gz")), part
   names = {r["implementation"] for r in records(out)}
   assert names == {"layer_fwd_xla", "layer_fwd+bwd_xla", "grouped_gemms_xla",
                    "routing_and_permutation", "dense_same_flops"}

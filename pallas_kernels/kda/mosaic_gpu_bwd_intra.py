@@ -15,7 +15,13 @@ kernel for K = 128, by XLA for K = 64, as the forward), x_0 = scale q, x_1 = bet
   3. The elementwise terms of Q_d, K_d (first segment), K_g (last), e^{G_C} (one segment);
      dg = reverse cumsum of dG within the chunk, as products with the upper-triangular ones U:
      dg = U dG + U^T (K_g's term) - (K_g's term) + (e^{G_C}'s term), the operands split into
-     bf16 hi + lo (error ~2^-17 of each term).
+     bf16 hi + lo (error ~2^-17 of each term). Each pair term of step 2 enters dG twice, at
+     token i from the row direction and negated at token j from the column direction, and
+     the reverse cumsum relies on the two cancelling: dG takes both from the same bf16
+     operands (x_z e^G and k e^-G as rounded for the tensor cores), so they cancel to fp32
+     accuracy. With the exact factors on the row side, the 2^-9 mismatch left dg 7% off at
+     g ~ -2.5 per token (benchmarks/kda_accuracy.py, T = 1024), where dg is small next to
+     the terms that cancel.
 Warpgroup 0 issues the TMA loads, forms G, dM and dL; warpgroup 1 meanwhile dA_qk's SMEM
 copy, U, dv and beta's V term; steps 2-3 run per 32-channel K-slab, slabs 0, 2 on warpgroup 0
 and 1, 3 on warpgroup 1, both warpgroups on one code path (the slab index traced from the
@@ -161,6 +167,10 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     g = load(g_s.at[:, cols])
     return g, g - jnp.where(second, m47, m15), jnp.exp(jnp.where(second, g - m31, m31 - g))
 
+  def rounded(ref):
+    """A bf16 tensor-core operand [C, 32] of this slab, back in fp32."""
+    return load(ref).astype(_F32)
+
   def to_chunk_start(g):
     e_g = jnp.exp(g)
     return e_g if first_vec is None else e_g * fwd._rows(first_vec, half)
@@ -186,22 +196,24 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     diag, low = mma.products((half, [(dp_s.at[0], kmid_s)], None),
                              (half, [(dp_s.at[2, :, top], k31_s.at[top])], None))
     g, d, t31 = decays(cols)
-    dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
-          + to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols]))       # d(scale q)
+    pre = to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols])
+    dx = jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low + pre    # d(scale q)
     dq_ref.at[b, tok, h, cols][...] = (cfg.scale * dx).astype(dq_ref.dtype)
-    d_g = load(q_s.at[:, cols]).astype(_F32) * cfg.scale * dx
+    # dG's pair terms from the same bf16 operands as the column direction's (module doc, 3.).
+    d_g = (rounded(xup_s.at[0]) * diag + rounded(x31_s.at[0]) * low
+           + load(q_s.at[:, cols]).astype(_F32) * cfg.scale * pre)
 
     diag, low, d_kd = mma.products(
         (half, [(dp_s.at[1], kmid_s)], None),
         (half, [(dp_s.at[3, :, top], k31_s.at[top])], None),
         (half, [(m_s.T, dw_s.at[:, cols])], None))
     g, d, t31 = decays(cols)
-    dx = (jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low
-          + to_chunk_start(g) * d_kd)                                     # d(beta k)
+    pre = to_chunk_start(g) * d_kd
+    dx = jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low + pre    # d(beta k)
     k = load(k_s.at[:, cols]).astype(_F32)
     part = jnp.sum(k * dx, axis=1)
     d_beta = part if d_beta is None else d_beta + part
-    d_g = d_g + k * beta * dx
+    d_g = d_g + rounded(xup_s.at[1]) * diag + rounded(x31_s.at[1]) * low + k * beta * pre
     d_k = beta * dx
 
     diag, low = mma.products(
@@ -220,7 +232,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     # + chunk-decay term: the column sum on the tensor cores (no cross-warp reduction, see the
     # module doc). kmid_s and k31_s are free again (their products were read above).
     kg_d = k * d_kg
-    d_g = d_g - k * dk_intra
+    d_g = d_g - rounded(kmid_s) * diag - rounded(k31_s) * low
     for x, (x_hi, x_lo) in ((d_g, (hi_s, lo_s)), (kg_d, (kmid_s, k31_s))):
       hi = x.astype(_BF16)
       x_hi[...] = hi

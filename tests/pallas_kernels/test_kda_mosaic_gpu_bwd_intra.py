@@ -103,6 +103,17 @@ def test_gate_at_the_bound():
   assert max(errs.values()) < TOL, errs
 
 
+def test_strong_decay_keeps_dg_accurate():
+  """g = -5 sigmoid(N(0, 1)) (about -2.5 per token, benchmarks/kda.py's gate): dg is the sum of
+  pair terms whose two directions cancel; rounded differently, they left dg 7% off (T = 1024)."""
+  b, t, h, d = 1, 256, 2, 128
+  x = reference.example_inputs(jax.random.key(7), b, t, h, d, d, gate="bounded",
+                               with_initial_state=False)
+  x["g"] = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(8), x["g"].shape))
+  errs = check(x, None, 7)
+  assert max(errs.values()) < TOL, errs
+
+
 def test_lowers_for_hopper():
   """Mosaic GPU lowering (layouts, TMA boxes, SMEM size) for CUDA, on any host."""
   for b, t, h, dk, dv, with_segments in [(1, 130, 2, 128, 128, True), (2, 64, 1, 64, 128, False)]:
