@@ -7,7 +7,9 @@
 #   bash benchmarks/h200_baseline.sh kda_quick             # ~4 min: intra-VJP kernel tests, ours timed, spills
 #   bash benchmarks/h200_baseline.sh kda_ptxas             # ~1 min: registers / spills of each KDA kernel
 #   bash benchmarks/h200_baseline.sh kda_trace             # ~1 min: XLA trace of fwd+bwd, time per kernel
+#   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
+#   bash benchmarks/h200_baseline.sh moe_trace             # ~2 min: XLA traces of the MoE layer and routing
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
 # TRITON_CACHE_DIR (here .triton_cache in the repo); each run packs them into
@@ -69,9 +71,22 @@ PY
           | grep -E " ms |rel L2"
       done
       ;;
+    kda_accuracy)
+      timeout 300 python3 -m benchmarks.kda_accuracy --shapes=1x8192x32,1x8192x96 \
+        --impls=mosaic_gpu,fla --accuracy_out=$OUT/kda_accuracy_h200.json 2>&1 \
+        | tee $OUT/kda_accuracy.log | grep "rel L2"
+      ;;
     moe)
       timeout 150 python3 -m benchmarks.moe_layer --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe.log | grep " ms"
+      ;;
+    moe_trace)
+      timeout 200 python3 -m benchmarks.moe_layer --impls=default --out=/tmp/moe_trace.json \
+        --profile_dir=/tmp/moe_trace > $OUT/moe_trace.log 2>&1
+      for part in default routing; do
+        cp "$(find /tmp/moe_trace/$part -name '*.trace.json.gz' | head -1)" $OUT/moe_trace_$part.json.gz
+        echo "== $part"; python3 -m benchmarks.trace_summary --trace=$OUT/moe_trace_$part.json.gz --top=20
+      done
       ;;
     train)
       timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
@@ -79,7 +94,8 @@ PY
         | tee $OUT/train.log | tail -3
       ;;
     *)
-      echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, moe, train)"; exit 2
+      echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
+        moe_trace, train)"; exit 2
       ;;
   esac
 done

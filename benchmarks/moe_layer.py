@@ -9,6 +9,7 @@ matmul of the same FLOPs (the ceiling).
 `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,10 @@ from pallas_kernels import ragged_dot as grouped_matmul
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens in the batch (B*T).")
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "",
+                                   "If set, XLA profiler traces of one forward and one "
+                                   "forward+backward per tier (<dir>/<impl>) and of the routing "
+                                   "alone (<dir>/routing), after their timing.")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
 _IMPLS = flags.DEFINE_list("impls", ["default", "xla"],
                            "Grouped-matmul tiers: default (platform default) or an impl name of "
@@ -87,10 +92,17 @@ def main(argv):
     fwd, fwd_bwd = layer_fns(impl)
     timings[f"layer_fwd_{impl}"] = common.time_jax(fwd, params, x)
     timings[f"layer_fwd+bwd_{impl}"] = common.time_jax(fwd_bwd, params, x)
+    if _PROFILE_DIR.value:
+      with jax.profiler.trace(os.path.join(_PROFILE_DIR.value, impl)):
+        jax.block_until_ready((fwd(params, x), fwd_bwd(params, x)))
     timings[f"grouped_gemms_{impl}"] = common.time_jax(
         jax.jit(functools.partial(gemms, impl=impl)), rows, w["w1"][...], w["w3"][...],
         w["w2"][...])
-  timings["routing_and_permutation"] = common.time_jax(jax.jit(routing_only), x[0], z)
+  routing = jax.jit(routing_only)
+  timings["routing_and_permutation"] = common.time_jax(routing, x[0], z)
+  if _PROFILE_DIR.value:
+    with jax.profiler.trace(os.path.join(_PROFILE_DIR.value, "routing")):
+      jax.block_until_ready(routing(x[0], z))
   timings["dense_same_flops"] = common.time_jax(jax.jit(jnp.dot), dense_a, dense_b)
   device, date = common.device_name(), common.today()
   records = []
