@@ -21,7 +21,7 @@ def _fmt(v):
   if isinstance(v, float):
     return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
   if isinstance(v, dict):
-    return " ".join(f"{k}{x}" for k, x in v.items())
+    return " ".join(f"{k} {x:.1e}" if isinstance(x, float) else f"{k}{x}" for k, x in v.items())
   text = str(v)
   return text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS - 3] + "..."
 
