@@ -91,6 +91,7 @@ def sweep(shape, product: str, configs, interpret: bool = False) -> list[dict]:
     try:
       ms = common.time_jax(product_fn(product, cfg, interpret), x, w, dy, gs,
                            warmup=1 if interpret else 3, reps=1 if interpret else 20,
+                           calls=1 if interpret else 10,
                            budget_s=1.0)
     except Exception as e:  # noqa: BLE001  (one config failing must not stop the sweep)
       print(f"  FAIL {cfg}: {type(e).__name__}: {str(e)[:300]}")
