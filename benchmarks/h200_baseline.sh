@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~2 min: XLA traces of the MoE layer and routing
+#   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
 # TRITON_CACHE_DIR (here .triton_cache in the repo); each run packs them into
@@ -93,9 +94,16 @@ PY
         --config.train.global_batch_size=2 --out=$OUT/train_h200.json 2>&1 \
         | tee $OUT/train.log | tail -3
       ;;
+    train_trace)
+      timeout 450 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+        --config.train.global_batch_size=2 --steps=2 --out=/tmp/train_trace.json \
+        --profile_dir=/tmp/train_trace > $OUT/train_trace.log 2>&1
+      cp "$(find /tmp/train_trace -name '*.trace.json.gz' | head -1)" $OUT/train_trace.json.gz
+      python3 -m benchmarks.trace_summary --trace=$OUT/train_trace.json.gz --top=40
+      ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_trace, train)"; exit 2
+        moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done

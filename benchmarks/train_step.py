@@ -1,6 +1,7 @@
 r"""End-to-end training step of a config on one device: tokens/s and MFU.
 
 `python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py --out=$OUT/train.json`
+(`--profile_dir=DIR`: an XLA trace of two more steps, for `benchmarks/trace_summary.py`).
 Random tokens (no data pipeline in the timed region); the step is the real `k3jax.train` step.
 """
 import time
@@ -17,6 +18,8 @@ from k3jax import flops, train
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_small.py", "Config.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records (JSON list).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Timed steps (after 2 warm-up steps).")
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "If set, an XLA profiler trace of two "
+                                   "more steps (after the timed ones) is written here.")
 
 
 def main(argv):
@@ -43,6 +46,11 @@ def main(argv):
     state, m = step(state, bt)
   jax.block_until_ready(m)
   dt = (time.perf_counter() - t0) / _STEPS.value
+  if _PROFILE_DIR.value:
+    with jax.profiler.trace(_PROFILE_DIR.value):
+      for bt in batches[:2]:
+        state, m = step(state, bt)
+      jax.block_until_ready(m)
   tok_s = b * s / dt
   peak, source = flops.peak_flops_per_device()
   counts = flops.count_params(cfg.model)

@@ -80,7 +80,8 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
 def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
-             f"--out={out}")
+             f"--out={out}", f"--profile_dir={tmp_path}/trace")
+  assert list((tmp_path / "trace").rglob("*.trace.json.gz"))
   (rec,) = records(out)
   assert rec["config"] == "k3_tiny" and rec["tokens_per_s"] > 0 and rec["loss"] > 0
   assert rec["mfu"] > 0 and rec["total_params"] >= rec["active_params"] > 0
