@@ -28,8 +28,9 @@ and 1, 3 on warpgroup 1, both warpgroups on one code path (the slab index traced
 warpgroup index, per-warpgroup scratch stacked in a union with step 1's buffers). The
 interpreter runs the same code with one warpgroup doing every part (`_warpgroups`); the
 two-warpgroup kernel is lowered for CUDA in the CPU tests and runs in the GPU tests.
-No reduction over rows (axis 0) in the slab loop: Mosaic GPU's cross-warp reduction goes
-through scratch that both warpgroups share, and with both running it the sums came out wrong
+No reduction over rows (axis 0) in the slab loop: Pallas lowers a cross-warp reduction through
+the kernel's one reduction scratch, shared by both warpgroups, and with both running it the
+sums came out wrong
 on the H200 (tests/pallas_kernels/test_mosaic_gpu_patterns.py; the dg of the two-path kernel was
 0.29 off fla's at T = 8192, likely the same race). The column sum of K_g's term that the
 chunk's last row needs is U^T's product instead.

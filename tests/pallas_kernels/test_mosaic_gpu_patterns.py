@@ -5,8 +5,10 @@ tile (slab index traced from the warpgroup index) and its own rows of stacked sc
 pattern is checked against numpy: loads and GMEM stores at traced columns, tensor-core products
 with traced operands (plain, transposed, stacked), and column-layout loads. Reductions over rows
 (axis 0) are absent on purpose: with both warpgroups reducing at once, warpgroup 0's sums came
-out wrong on the H200 (JAX 0.11.2; cross-warp reductions go through scratch the warpgroups
-share), which is why the kernel forms its column sums on the tensor cores.
+out wrong on the H200 (JAX 0.11.2: `_reduce_lowering_rule` in jax/_src/pallas/mosaic_gpu/
+lowering.py takes the module's one `scratch_view` for a cross-warp reduction of a tiled layout,
+with no guard against several Pallas threads; it refuses them for the strided layout), which is
+why the kernel forms its column sums on the tensor cores.
 
 On CPU the kernel runs in the Mosaic GPU interpreter and is lowered for CUDA; with
 K3JAX_KDA_TEST_ON_DEVICE=1 it runs compiled on the GPU.
