@@ -1,9 +1,11 @@
 """One `jax.custom_vjp` for the KDA kernel tiers (Mosaic GPU, Mosaic TPU).
 
 A kernel tier supplies `forward(q, k, v, g, beta, h0, segment_ids, options) -> (o, S_T)` and
-a dict of backwards `name -> fn(q, k, v, g, beta, h0, segment_ids, d_o, d_S, options)`
+a dict of backwards `name -> fn(q, k, v, g, beta, h0, segment_ids, d_o, d_S, options, saved)`
 returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static arguments:
-(scale, normalize_qk, ..., backward's name). With normalize_qk the forward L2-normalises q
+(scale, normalize_qk, ..., backward's name). A tier may also supply `forward_saving`, the
+forward returning ((o, S_T), saved) with values of its own that its backward reuses instead
+of recomputing them (kept as residuals); `saved` is None without it. With normalize_qk the forward L2-normalises q
 and k itself (fla's `use_qk_l2norm_in_kernel`); the backwards then run on the normalised q, k
 (recomputed by XLA) and the norm's VJP is applied after them. Every tier also gets
 "chunked": the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded gate), exact in fp32.
@@ -18,9 +20,10 @@ from pallas_kernels.kda import chunked
 from pallas_kernels.kda import reference
 
 
-def chunked_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, *,
+def chunked_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, saved, *,
                      gate_bound: float) -> tuple[jax.Array, ...]:
   """Gradients of (o, S_T) through the chunked tier (it recomputes its own per-chunk states)."""
+  del saved
   def f(q, k, v, g, beta, h0):
     o, s = chunked.chunk_kda(q, k, v, g, beta, scale=options[0], initial_state=h0,
                              segment_ids=segment_ids, gate_bound=gate_bound)
@@ -30,7 +33,8 @@ def chunked_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, *,
   return vjp((d_o, d_s))
 
 
-def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: float) -> Callable:
+def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: float,
+              forward_saving: Callable | None = None) -> Callable:
   """op(q, k, v, g, beta, h0, segment_ids, options) -> (o, S_T) with the named backward."""
   backwards = dict(backwards, chunked=functools.partial(chunked_backward, gate_bound=gate_bound))
 
@@ -39,15 +43,19 @@ def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: flo
     return forward(q, k, v, g, beta, h0, segment_ids, options)
 
   def op_fwd(q, k, v, g, beta, h0, segment_ids, options):
-    return forward(q, k, v, g, beta, h0, segment_ids, options), (q, k, v, g, beta, h0,
-                                                                 segment_ids)
+    args = (q, k, v, g, beta, h0, segment_ids)
+    if forward_saving is None:
+      return forward(*args, options), (*args, None)
+    out, saved = forward_saving(*args, options)
+    return out, (*args, saved)
 
   def op_bwd(options, res, cot):
+    *res, saved = res
     q, k, *rest = res
     if options[1]:
       (q, k), norm_vjp = jax.vjp(lambda a, b: (reference.l2_normalize(a),
                                                reference.l2_normalize(b)), q, k)
-    grads = backwards[options[-1]](q, k, *rest, *cot, options)
+    grads = backwards[options[-1]](q, k, *rest, *cot, options, saved)
     if options[1]:
       grads = (*norm_vjp(tuple(grads[:2])), *grads[2:])
     return (*grads, None)

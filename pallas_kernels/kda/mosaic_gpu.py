@@ -547,39 +547,54 @@ def config(q, segment_ids, *, scale: float, interpret=False, block_v: int = BLOC
   return cfg, interpret or None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v", "normalize_qk"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v", "normalize_qk",
+                                             "return_parts"))
 def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, interpret=False,
-            block_v: int = BLOCK_V, normalize_qk: bool = False) -> tuple[jax.Array, jax.Array]:
+            block_v: int = BLOCK_V, normalize_qk: bool = False, return_parts: bool = False):
   """`prepare` and the kernels: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
 
   `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
   `block_v`: value columns per CTA of the state kernel (32 or 64).
   `normalize_qk`: L2-normalise q and k inside the intra kernel (`reference.l2_normalize`).
+  `return_parts`: also return the intra kernel's outputs (Q_d, -K_d, K_g, A_qk, M, e^{G_C}),
+  which the kernel backward reuses instead of running the kernel again.
   """
   cfg, interp = config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v,
                        normalize_qk=normalize_qk)
   qp, kp, gp, vp, beta_t, counts, h0 = prepare(q, k, v, g, beta, initial_state, segment_ids)
   parts = intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
   o, s = state_kernel(*parts, vp, beta_t, h0, cfg, interp)
-  return o[:, :q.shape[1]].astype(q.dtype), s
+  o = o[:, :q.shape[1]].astype(q.dtype)
+  return (o, s, parts) if return_parts else (o, s)
 
 
 def _kernel_backward(parts: str):
   """`mosaic_gpu_bwd.backward` as a `kernel_vjp` backward; options (scale, normalize_qk,
-  interpret, block_v, name)."""
-  def bwd(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options):
+  interpret, block_v, name); `saved`: the forward's intra-kernel outputs or None."""
+  def bwd(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, saved):
     scale, _, interpret, block_v, _ = options
     return mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=scale,
-                                   interpret=interpret, block_v=block_v, parts=parts)
+                                   interpret=interpret, block_v=block_v, parts=parts,
+                                   intra=saved)
   return bwd
 
 
+def _forward(q, k, v, g, beta, h0, segment_ids, options, return_parts=False):
+  return forward(q, k, v, g, beta, h0, segment_ids, scale=options[0], normalize_qk=options[1],
+                 interpret=options[2], block_v=options[3], return_parts=return_parts)
+
+
+def _forward_saving(q, k, v, g, beta, h0, segment_ids, options):
+  """The forward, keeping the intra kernel's outputs for backward="kernel_intra"."""
+  if options[-1] != "kernel_intra":
+    return _forward(q, k, v, g, beta, h0, segment_ids, options), None
+  o, s, parts = _forward(q, k, v, g, beta, h0, segment_ids, options, return_parts=True)
+  return (o, s), parts
+
+
 _kda = kernel_vjp.kernel_op(
-    lambda q, k, v, g, beta, h0, segment_ids, options: forward(
-        q, k, v, g, beta, h0, segment_ids, scale=options[0], normalize_qk=options[1],
-        interpret=options[2], block_v=options[3]),
-    {"kernel": _kernel_backward("xla"), "kernel_intra": _kernel_backward("kernel")},
-    GATE_BOUND)
+    _forward, {"kernel": _kernel_backward("xla"), "kernel_intra": _kernel_backward("kernel")},
+    GATE_BOUND, forward_saving=_forward_saving)
 
 
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,

@@ -174,15 +174,17 @@ def dstates_kernel(qd, wn, kg, aqk, dec, do, dsf, cfg, interpret):
   return call(qd, wn, kg, aqk, dec, do, dsf)
 
 
-def _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision):
+def _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision, intra=None):
   """`chunk_parts`' outputs, M = (I + L)^{-1} (bf16) and the `prepare`d inputs, from the
-  forward's intra kernel.
+  forward's intra kernel: its outputs `intra` if the forward kept them, else run again.
 
   W = M K_d and U = M diag(beta) V are formed by XLA (bf16 operands, fp32 accumulation).
   """
   prepared = fwd.prepare(q, k, v, g, beta, None, segment_ids)
   qp, kp, gp, vp, beta_t, counts, _ = prepared
-  qd, kdn, kg, aqk, m, dec = fwd.intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
+  if intra is None:
+    intra = fwd.intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
+  qd, kdn, kg, aqk, m, dec = intra
   b, h, t, c = m.shape
   chunks = lambda x: x.reshape(b, h, t // c, c, x.shape[-1])
   beta_v = (chunked._to_chunks(vp.astype(_F32))
@@ -196,7 +198,8 @@ def _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp, precision):
 @functools.partial(jax.jit,
                    static_argnames=("scale", "interpret", "block_v", "precision", "parts"))
 def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, interpret,
-             block_v: int, precision=PRECISION, parts: str = "xla") -> tuple[jax.Array, ...]:
+             block_v: int, precision=PRECISION, parts: str = "xla",
+             intra=None) -> tuple[jax.Array, ...]:
   """Gradients (dq, dk, dv, dg, dbeta, dh0) of (o, final state) given their cotangents.
 
   Args:
@@ -209,11 +212,13 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
       cotangents by the `mosaic_gpu_bwd_cotangents` kernel and the VJP by the
       `mosaic_gpu_bwd_intra` kernel, whose pure-JAX forms are `chunked.chunk_parts_cotangents`
       and `chunked.chunk_parts_vjp`).
+    intra: with parts="kernel", the forward's intra-kernel outputs (`mosaic_gpu.forward(...,
+      return_parts=True)`), which spares running that kernel again; None runs it.
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
   if parts == "kernel":
     parts_out, m, prepared = _parts_from_kernel(q, k, v, g, beta, segment_ids, cfg, interp,
-                                                precision)
+                                                precision, intra)
     parts_vjp = lambda d: mosaic_gpu_bwd_intra.parts_vjp(
         q, k, v, g, beta, m, d, scale=scale, segment_ids=segment_ids, interpret=interpret,
         prepared=prepared)

@@ -379,9 +379,10 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float,
   return (*parts_vjp(d_parts), dh0.astype(h0.dtype))
 
 
-def _kernel_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options):
+def _kernel_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, saved):
   """`backward` as a `kernel_vjp` backward; options (scale, False, chunk_size, interpret,
-  name)."""
+  name); nothing saved."""
+  del saved
   return backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=options[0],
                   interpret=options[3])
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import mosaic_gpu
+from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
 from kda_testing import outputs_and_grads, rel_err, segments
 
@@ -122,6 +123,30 @@ def test_strong_decay(backward):
   _, ref = fp64_outputs_and_grads(x, None, cot)
   for name in NAMES:
     assert rel_err(grads[name], ref[name]) < TOL[name], (name, rel_err(grads[name], ref[name]))
+
+
+def test_saved_intra_outputs_give_the_recomputed_gradients():
+  """The kernel backward reusing the forward's intra-kernel outputs (what backward="kernel_intra"
+  does) gives the gradients of running that kernel again, bit for bit."""
+  b, t, h, d = 1, 130, 2, 128
+  x = reference.example_inputs(jax.random.key(21), b, t, h, d, d, gate="bounded",
+                               with_initial_state=True)
+  args = (x["q"].astype(BF16), x["k"].astype(BF16), x["v"].astype(BF16), x["g"], x["beta"],
+          x["h0"], segments(t, b))
+  rng = np.random.default_rng(2)
+  d_o = jnp.asarray(rng.standard_normal((b, t, h, d)), BF16)
+  d_s = jnp.asarray(rng.standard_normal((b, h, d, d)), F32)
+  kw = dict(scale=d ** -0.5, interpret=INTERPRET, block_v=64)
+  *_, parts = mosaic_gpu.forward(*args, return_parts=True, **kw)
+  again = mosaic_gpu_bwd.backward(*args, d_o, d_s, parts="kernel", **kw)
+  reused = mosaic_gpu_bwd.backward(*args, d_o, d_s, parts="kernel", intra=parts, **kw)
+  for name, a, r in zip((*NAMES, "h0"), again, reused):
+    np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(r, F32), err_msg=name)
+  # and they are what the backward uses: a changed Q_d changes dS, hence dk and dh0
+  changed = mosaic_gpu_bwd.backward(*args, d_o, d_s, parts="kernel",
+                                    intra=(2 * parts[0], *parts[1:]), **kw)
+  for i in (1, 5):
+    assert not np.allclose(np.asarray(changed[i], F32), np.asarray(again[i], F32))
 
 
 @pytest.mark.parametrize("backward", ["kernel", "kernel_intra"])
