@@ -21,8 +21,8 @@ import pathlib
 
 import jax
 
-from benchmarks.moe_gemm import SHAPES
 from benchmarks import common
+from benchmarks.moe_gemm import SHAPES
 from benchmarks.moe_gemm import dirichlet_sizes
 from benchmarks.moe_gemm import make_inputs
 from benchmarks.moe_gemm import tflops
@@ -89,10 +89,9 @@ def sweep(shape, product: str, configs, interpret: bool = False) -> list[dict]:
       print(f"  skip {cfg}: {reason}")
       continue
     try:
-      ms = common.time_jax(product_fn(product, cfg, interpret), x, w, dy, gs,
-                           warmup=1 if interpret else 3, reps=1 if interpret else 20,
-                           calls=1 if interpret else 10,
-                           budget_s=1.0)
+      fn = product_fn(product, cfg, interpret)
+      ms = (common.time_jax_once(fn, x, w, dy, gs) if interpret
+            else common.time_jax(fn, x, w, dy, gs, reps=20, budget_s=1.0))
     except Exception as e:  # noqa: BLE001  (one config failing must not stop the sweep)
       print(f"  FAIL {cfg}: {type(e).__name__}: {str(e)[:300]}")
       continue

@@ -31,6 +31,12 @@ def time_jax(fn: Callable, *args, warmup: int = 3, reps: int = 30,
   return statistics.median(times)
 
 
+def time_jax_once(fn: Callable, *args) -> float:
+  """Milliseconds of one call after one warm-up: smoke runs in the interpreter (CI) check that
+  a benchmark runs, not its speed."""
+  return time_jax(fn, *args, warmup=1, reps=1, calls=1)
+
+
 def time_torch(fn: Callable, warmup_ms: int = 25, rep_ms: int = 200) -> float:
   """Median milliseconds with triton.testing.do_bench (CUDA events)."""
   import triton

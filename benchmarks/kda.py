@@ -56,6 +56,13 @@ def rel_l2(a, ref) -> float:
   return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
 
 
+def annotate(records: list[dict], match: dict, **fields) -> None:
+  """Adds `fields` to the records whose values agree with `match`."""
+  for r in records:
+    if all(r.get(k) == v for k, v in match.items()):
+      r.update(fields)
+
+
 def make_inputs(b, t, h, d=128, seed=0):
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((b, t, h, d), np.float32)
@@ -176,19 +183,15 @@ def main(argv):
       for impl, o in outputs.items():
         err = rel_l2(o, ref)
         rows.append(f"{shape:>12s} {impl:>16s} rel L2 vs fla {err:.2e}")
-        for r in records:
-          if r.get("implementation") == impl and r.get("T") == t and r.get("H") == h and \
-             r.get("B") == b and r.get("pass") == "fwd":
-            r["rel_err_vs_fla"] = err
+        annotate(records, dict(implementation=impl, B=b, T=t, H=h, **{"pass": "fwd"}),
+                 rel_err_vs_fla=err)
     if "fla" in grads:
       for impl, gs in grads.items():
         errs = {n: rel_l2(a, w) for n, a, w in zip(GRAD_NAMES, gs, grads["fla"])}
         rows.append(f"{shape:>12s} {impl:>16s} grad rel L2 vs fla "
                     + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
-        for r in records:
-          if r.get("implementation") == impl and r.get("T") == t and r.get("H") == h and \
-             r.get("B") == b and r.get("pass") == "fwd+bwd":
-            r["grad_rel_err_vs_fla"] = errs
+        annotate(records, dict(implementation=impl, B=b, T=t, H=h, **{"pass": "fwd+bwd"}),
+                 grad_rel_err_vs_fla=errs)
   common.merge_records(_OUT.value, records, _KEY)
   print("\n".join(rows))
 

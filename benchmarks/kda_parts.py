@@ -10,8 +10,6 @@ the whole backward both ways, with the XLA einsums at HIGHEST (fp32) and DEFAULT
 Run: `python3 -m benchmarks.kda_parts --parts_out=$OUT/kda_parts_h200.json` (records: op
 "kda_parts", part, B, T, H, median_ms, device, date).
 """
-import functools
-
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -44,8 +42,7 @@ def parts_of(b, t, h):
   block_v = mosaic_gpu.pick_block_v(b, h, 128)
   interpret = _INTERPRET.value
   # The interpreter smoke run calls each part once (it checks that the parts run, not speed).
-  timed = (functools.partial(common.time_jax, warmup=1, reps=1, calls=1) if interpret
-           else common.time_jax)
+  timed = common.time_jax_once if interpret else common.time_jax
   cfg, interp = mosaic_gpu.config(q, None, scale=scale, block_v=block_v, interpret=interpret)
   ms = {}
   ms["l2norm_qk"] = timed(jax.jit(lambda a, c: (l2_normalize(a), l2_normalize(c))),

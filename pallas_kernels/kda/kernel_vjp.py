@@ -5,10 +5,11 @@ a dict of backwards `name -> fn(q, k, v, g, beta, h0, segment_ids, d_o, d_S, opt
 returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static arguments:
 (scale, normalize_qk, ..., backward's name). A tier may also supply `forward_saving`, the
 forward returning ((o, S_T), saved) with values of its own that its backward reuses instead
-of recomputing them (kept as residuals); `saved` is None without it. With normalize_qk the forward L2-normalises q
-and k itself (fla's `use_qk_l2norm_in_kernel`); the backwards then run on the normalised q, k
-(recomputed by XLA) and the norm's VJP is applied after them. Every tier also gets
-"chunked": the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded gate), exact in fp32.
+of recomputing them (kept as residuals); `saved` is None without it. With normalize_qk the
+forward L2-normalises q and k itself (fla's `use_qk_l2norm_in_kernel`); the backwards then
+run on the normalised q, k (recomputed by XLA) and the norm's VJP is applied after them.
+Every tier also gets "chunked": the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded
+gate), exact in fp32.
 """
 import functools
 from typing import Callable

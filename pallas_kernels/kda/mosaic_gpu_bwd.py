@@ -213,7 +213,9 @@ def backward(q, k, v, g, beta, h0, segment_ids, d_o, d_final, *, scale: float, i
       `mosaic_gpu_bwd_intra` kernel, whose pure-JAX forms are `chunked.chunk_parts_cotangents`
       and `chunked.chunk_parts_vjp`).
     intra: with parts="kernel", the forward's intra-kernel outputs (`mosaic_gpu.forward(...,
-      return_parts=True)`), which spares running that kernel again; None runs it.
+      return_parts=True)`), which spares running that kernel again; None runs it. With the
+      in-kernel L2 norm they come from the forward's fp32-normalised q, k, the rest of the
+      backward from the bf16 q, k that XLA normalised (the same values to bf16 rounding).
   """
   cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v)
   if parts == "kernel":

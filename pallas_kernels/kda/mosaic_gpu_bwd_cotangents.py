@@ -13,7 +13,8 @@ dV_new is the left operand of dW from registers. SMEM (K = V = 128): -W / V_new 
 dO 16 KiB, S_n 32 KiB, dS_n 32 KiB = 96 KiB, 98 KiB with Mosaic's own (two CTAs per SM fit).
 dW and dA_qk are written in bf16 (the intra-VJP kernel uses them only as bf16 tensor-core
 operands). Interpreter against fp32 `chunk_parts_cotangents`: relative L2 errors <= 3.4e-3
-(dK_g, dA_qk, through bf16 V_new) before the bf16 outputs. Passed its tests compiled on the H200 (2026-11-30).
+(dK_g, dA_qk, through bf16 V_new) before the bf16 outputs. Passed its tests compiled on the
+H200 (2026-11-30).
 """
 import functools
 

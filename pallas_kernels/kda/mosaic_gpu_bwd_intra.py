@@ -30,9 +30,9 @@ interpreter runs the same code with one warpgroup doing every part (`_warpgroups
 two-warpgroup kernel is lowered for CUDA in the CPU tests and runs in the GPU tests.
 No reduction over rows (axis 0) in the slab loop: Pallas lowers a cross-warp reduction through
 the kernel's one reduction scratch, shared by both warpgroups, and with both running it the
-sums came out wrong
-on the H200 (tests/pallas_kernels/test_mosaic_gpu_patterns.py; the dg of the two-path kernel was
-0.29 off fla's at T = 8192, likely the same race). The column sum of K_g's term that the
+sums came out wrong on the H200 (tests/pallas_kernels/test_mosaic_gpu_patterns.py; the dg of
+the two-path kernel, whose two copies of the sum shared that scratch too, was 0.29 off fla's
+at T = 8192). The column sum of K_g's term that the
 chunk's last row needs is U^T's product instead.
 XLA runs `mosaic_gpu.prepare` (padding, bf16 q, k, v; the K = 64 cumsum), the cotangents' and
 M's reshapes (dW, dU, M to bf16), and the final slicing. Interpreter against fp32
@@ -243,7 +243,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
              * load(ddec_ref.at[b, h, n, cols], fwd._COL))
     cum = mma.product(half, [(u_s, hi_s), (u_s, lo_s), (u_s.T, kmid_s), (u_s.T, k31_s)])
     dg_ref.at[b, tok, h, cols][...] = cum - kg_d + fwd._cols(d_dec, half)
-  for w in range(wgs):          # static rows of dbeta_s
+  for w in range(wgs):          # rows of dbeta_s by static index (a traced one is unchecked)
 
     @pl.when(wg == w)
     def _():
