@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/h200_baseline.sh ceilings kda_tests   # ~9 min: probe, ceilings, kernel tests
 #   bash benchmarks/h200_baseline.sh kda                   # ~8 min: KDA parts, ours vs fla (H 32, 96)
-#   bash benchmarks/h200_baseline.sh kda_quick             # ~4 min: intra-VJP kernel tests, ours timed, spills
+#   bash benchmarks/h200_baseline.sh kda_quick             # ~6 min: kernel_intra backward tests, H=32 vs fla
 #   bash benchmarks/h200_baseline.sh kda_ptxas             # ~1 min: registers / spills of each KDA kernel
 #   bash benchmarks/h200_baseline.sh kda_trace             # ~1 min: XLA trace of fwd+bwd, time per kernel
 #   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
@@ -44,12 +44,15 @@ PY
       timeout 450 bash benchmarks/kda_kernels_gpu_test.sh 2>&1 | tee $OUT/kda_tests.log | tail -5
       ;;
     kda_quick)
-      K3JAX_KDA_TEST_ON_DEVICE=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      K3JAX_KDA_TEST_ON_DEVICE=1 timeout 330 python3 -m pytest -q -p no:cacheprovider -x \
         tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
-        tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py -k "intra" 2>&1 | tee $OUT/kda_tests.log | tail -4
-      MOSAIC_GPU_DUMP_PTXAS=1 timeout 200 python3 -m benchmarks.kda --shapes=1x8192x32,1x8192x96 \
-        --reps=10 --out=$OUT/kda_h200.json --impls=mosaic_gpu > $OUT/kda.log 2>&1
-      grep -aE " ms |rel L2|Error|spill stores" $OUT/kda.log | sort -u
+        tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
+        tests/pallas_kernels/test_mosaic_gpu_patterns.py \
+        tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py -k "intra or saved or strong or pattern or cotan" \
+        2>&1 | tee $OUT/kda_tests.log | tail -4
+      timeout 150 python3 -m benchmarks.kda --shapes=1x8192x32 --reps=10 --out=$OUT/kda_h200.json \
+        --impls=mosaic_gpu,fla > $OUT/kda.log 2>&1
+      grep -aE " ms |rel L2|Error" $OUT/kda.log | sort -u
       ;;
     kda_ptxas)
       MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/mosaic_dump timeout 150 python3 -m benchmarks.kda \

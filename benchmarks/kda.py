@@ -2,9 +2,10 @@ r"""KDA side by side on one GPU: our tiers vs fla `chunk_kda` vs jax-linear-atte
 
 Same inputs for every implementation, one process: bf16 q, k, v; fp32 log-decay g in [-5, 0);
 beta after the sigmoid; K = V = 128; q, k L2-normalised inside the timed op
-(`use_qk_l2norm_in_kernel=True` for fla and ours: in the intra kernel for the Mosaic GPU tier,
-by XLA for the chunked one). fwd = forward only; fwd+bwd = forward and backward for all of
-q, k, v, g, beta. With fla among the implementations, each output and each gradient is compared
+(`use_qk_l2norm_in_kernel=True` for fla and ours: in the intra kernels for the Mosaic GPU tier,
+by XLA for the chunked one). fwd = forward only; fwd+bwd = the output and the gradients of
+all of q, k, v, g, beta given its cotangent do (`forward_backward`; fla: forward, then
+backward). With fla among the implementations, each output and each gradient is compared
 with fla's (relative L2, in the printed table and the records).
 Run: `python3 -m benchmarks.kda --out=$OUT/kda.json`.
 """
@@ -90,13 +91,18 @@ def jax_fns(impl: str):
     def op(q, k, v, g, beta):
       return kda_ops.chunk_kda(q, k, v, g, beta, gate_bound=-5.0, impl=impl,
                                use_qk_l2norm_in_kernel=True)[0]
-  fwd = jax.jit(op)
-  def loss(q, k, v, g, beta, do):
-    return jnp.sum(op(q, k, v, g, beta).astype(jnp.float32) * do)
-  # value_and_grad: the output is computed as well, as in fla's forward + backward (under
-  # jax.grad alone XLA drops the forward kernels whose output only feeds the loss value).
-  fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-  return fwd, fwd_bwd
+  return jax.jit(op), forward_backward(op)
+
+
+def forward_backward(op):
+  """jit of (q, k, v, g, beta, do) -> (o, (dq, dk, dv, dg, dbeta)): the output and the
+  gradients given its cotangent do through `jax.vjp`, the work of fla's `o = chunk_kda(...)`
+  then `o.backward(do)` (no loss reduction; the output is kept, so XLA cannot drop the
+  forward kernels)."""
+  def fwd_bwd(q, k, v, g, beta, do):
+    o, vjp = jax.vjp(op, q, k, v, g, beta)
+    return o, vjp(do.astype(o.dtype))
+  return jax.jit(fwd_bwd)
 
 
 def run_jax(impl, x, passes, reps):

@@ -82,9 +82,7 @@ def implementation(impl: str, x: dict) -> dict:
     def op(q, k, v, g, beta):
       return mosaic_gpu.chunk_kda_mosaic_gpu(q, k, v, g, beta, interpret=True,
                                              use_qk_l2norm_in_kernel=True)[0]
-    fwd = jax.jit(op)
-    fwd_bwd = jax.jit(jax.value_and_grad(
-        lambda *a: jnp.sum(op(*a[:5]).astype(jnp.float32) * a[5]), argnums=(0, 1, 2, 3, 4)))
+    fwd, fwd_bwd = jax.jit(op), kda_bench.forward_backward(op)
   else:
     fwd, fwd_bwd = kda_bench.jax_fns(impl)
   arrays = [fwd(*args), *fwd_bwd(*args, bf(x["do"]))[1]]

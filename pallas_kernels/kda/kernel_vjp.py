@@ -7,7 +7,8 @@ returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static 
 forward returning ((o, S_T), saved) with values of its own that its backward reuses instead
 of recomputing them (kept as residuals); `saved` is None without it. With normalize_qk the
 forward L2-normalises q and k itself (fla's `use_qk_l2norm_in_kernel`); the backwards then
-run on the normalised q, k (recomputed by XLA) and the norm's VJP is applied after them.
+run on the normalised q, k (recomputed by XLA) and the norm's VJP is applied after them,
+except the backwards named in `normalizing`, which take the raw q, k and do both themselves.
 Every tier also gets "chunked": the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded
 gate), exact in fp32.
 """
@@ -35,7 +36,8 @@ def chunked_backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, saved
 
 
 def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: float,
-              forward_saving: Callable | None = None) -> Callable:
+              forward_saving: Callable | None = None,
+              normalizing: tuple[str, ...] = ()) -> Callable:
   """op(q, k, v, g, beta, h0, segment_ids, options) -> (o, S_T) with the named backward."""
   backwards = dict(backwards, chunked=functools.partial(chunked_backward, gate_bound=gate_bound))
 
@@ -53,11 +55,12 @@ def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: flo
   def op_bwd(options, res, cot):
     *res, saved = res
     q, k, *rest = res
-    if options[1]:
+    in_xla = options[1] and options[-1] not in normalizing
+    if in_xla:
       (q, k), norm_vjp = jax.vjp(lambda a, b: (reference.l2_normalize(a),
                                                reference.l2_normalize(b)), q, k)
     grads = backwards[options[-1]](q, k, *rest, *cot, options, saved)
-    if options[1]:
+    if in_xla:
       grads = (*norm_vjp(tuple(grads[:2])), *grads[2:])
     return (*grads, None)
 

@@ -392,10 +392,13 @@ def _intra_body(cfg: _Config, q_ref, k_ref, g_ref, beta_ref, cnt_ref,
   plgpu.wait_smem_to_gmem(0)
 
 
-def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v_ref, beta_ref,
-                h0_ref, o_ref, final_ref,
-                qd_s, kd_s, kg_s, aqk_s, m_s, v_s, dec_s, beta_s, s_s, x_s, o_s, bars, *stage):
-  """The serial pass over chunks for one (value block, head, batch) (Eqs. 8-9)."""
+def _state_body(cfg: _Config, save: bool, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v_ref,
+                beta_ref, h0_ref, o_ref, final_ref, *rest):
+  """The serial pass over chunks for one (value block, head, batch) (Eqs. 8-9); with `save`
+  it also writes S_n entering every chunk and V_new (for the backward)."""
+  h_ref, vn_ref = rest[:2] if save else (None, None)
+  qd_s, kd_s, kg_s, aqk_s, m_s, v_s, dec_s, beta_s, s_s, x_s, o_s, bars, *stage = rest[
+      2 if save else 0:]
   c, kd, bv = CHUNK, cfg.key_dim, cfg.block_v
   vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
   vcols = pl.ds(vt * bv, bv)
@@ -412,15 +415,19 @@ def _state_body(cfg: _Config, qd_ref, kd_ref, kg_ref, aqk_ref, m_ref, dec_ref, v
   s_s[...] = s0.astype(_BF16)
 
   def step(n, slot, s):
+    if save:
+      h_ref.at[b, h, n, :, vcols][...] = s
     bv_init = _load(v_s.at[slot]).astype(_F32) * _rows(_load(beta_s.at[slot], _ROW), (c, bv))
     decay = _rows(_load(dec_s.at[slot], _ROW), (kd, bv))
     x, o_part = mma.products(((c, bv), [(kd_s.at[slot], s_s)], bv_init),
                              ((c, bv), [(qd_s.at[slot], s_s)], None))
     x_s[...] = x.astype(_BF16)
     plgpu.commit_smem()
-    v_new = mma.product((c, bv), [(m_s.at[slot], x_s)])
-    x_s[...] = v_new.astype(_BF16)
+    v_new = mma.product((c, bv), [(m_s.at[slot], x_s)]).astype(_BF16)
+    x_s[...] = v_new
     plgpu.commit_smem()
+    if save:
+      vn_ref.at[b, h, tok(n), vcols][...] = v_new
     o, s = mma.products(((c, bv), [(aqk_s.at[slot], x_s)], o_part),
                         ((kd, bv), [(kg_s.at[slot].T, x_s)], decay * s))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the previous output left o_s
@@ -467,14 +474,19 @@ def intra_kernel(q, k, g, beta, counts, cfg: _Config, interpret):
   return intra(q, k, g, beta, counts)
 
 
-def state_kernel(qd, kdn, kg, aqk, m, dec, v, beta, h0, cfg: _Config, interpret):
-  """Kernel 2: (o [B, T, H, V] bf16, final state [B, H, K, V] fp32)."""
+def state_kernel(qd, kdn, kg, aqk, m, dec, v, beta, h0, cfg: _Config, interpret,
+                 save: bool = False):
+  """Kernel 2: (o [B, T, H, V] bf16, final state [B, H, K, V] fp32), and with `save` the
+  backward's walk outputs: S_n entering every chunk fp32 [B, H, N, K, V] and V_new bf16
+  [B, H, T, V] (`mosaic_gpu_bwd.states_kernel`'s, spared in the backward)."""
   b, t, h, dv = v.shape
   kd, c, bv = cfg.key_dim, CHUNK, cfg.block_v
+  saved = [jax.ShapeDtypeStruct((b, h, cfg.num_chunks, kd, dv), _F32),
+           jax.ShapeDtypeStruct((b, h, t, dv), _BF16)] if save else []
   state = plgpu.kernel(
-      functools.partial(_state_body, cfg),
+      functools.partial(_state_body, cfg, save),
       out_type=(jax.ShapeDtypeStruct((b, t, h, dv), _BF16),
-                jax.ShapeDtypeStruct((b, h, kd, dv), _F32)),
+                jax.ShapeDtypeStruct((b, h, kd, dv), _F32), *saved),
       scratch_types=[
           _operand((2, c, kd)), _operand((2, c, kd)), _operand((2, c, kd)),
           _operand((2, c, c)), _operand((2, c, c)), _operand((2, c, bv)),
@@ -548,53 +560,54 @@ def config(q, segment_ids, *, scale: float, interpret=False, block_v: int = BLOC
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_v", "normalize_qk",
-                                             "return_parts"))
+                                             "return_saved"))
 def forward(q, k, v, g, beta, initial_state, segment_ids, *, scale: float, interpret=False,
-            block_v: int = BLOCK_V, normalize_qk: bool = False, return_parts: bool = False):
+            block_v: int = BLOCK_V, normalize_qk: bool = False, return_saved: bool = False):
   """`prepare` and the kernels: (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32).
 
   `interpret`: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
   `block_v`: value columns per CTA of the state kernel (32 or 64).
   `normalize_qk`: L2-normalise q and k inside the intra kernel (`reference.l2_normalize`).
-  `return_parts`: also return the intra kernel's outputs (Q_d, -K_d, K_g, A_qk, M, e^{G_C}),
-  which the kernel backward reuses instead of running the kernel again.
+  `return_saved`: also return what the kernel backward reuses instead of recomputing it
+  (`mosaic_gpu_bwd.Saved`): the intra kernel's outputs, S_n and V_new.
   """
   cfg, interp = config(q, segment_ids, scale=scale, interpret=interpret, block_v=block_v,
                        normalize_qk=normalize_qk)
   qp, kp, gp, vp, beta_t, counts, h0 = prepare(q, k, v, g, beta, initial_state, segment_ids)
   parts = intra_kernel(qp, kp, gp, beta_t, counts, cfg, interp)
-  o, s = state_kernel(*parts, vp, beta_t, h0, cfg, interp)
+  o, s, *walk = state_kernel(*parts, vp, beta_t, h0, cfg, interp, save=return_saved)
   o = o[:, :q.shape[1]].astype(q.dtype)
-  return (o, s, parts) if return_parts else (o, s)
+  return (o, s, mosaic_gpu_bwd.Saved(parts, *walk)) if return_saved else (o, s)
 
 
 def _kernel_backward(parts: str):
   """`mosaic_gpu_bwd.backward` as a `kernel_vjp` backward; options (scale, normalize_qk,
-  interpret, block_v, name); `saved`: the forward's intra-kernel outputs or None."""
+  interpret, block_v, name); `saved`: the forward's `mosaic_gpu_bwd.Saved` or None."""
   def bwd(q, k, v, g, beta, h0, segment_ids, d_o, d_s, options, saved):
-    scale, _, interpret, block_v, _ = options
+    scale, normalize_qk, interpret, block_v, _ = options
     return mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=scale,
                                    interpret=interpret, block_v=block_v, parts=parts,
-                                   intra=saved)
+                                   saved=saved, normalize_qk=normalize_qk and parts == "kernel")
   return bwd
 
 
-def _forward(q, k, v, g, beta, h0, segment_ids, options, return_parts=False):
+def _forward(q, k, v, g, beta, h0, segment_ids, options, return_saved=False):
   return forward(q, k, v, g, beta, h0, segment_ids, scale=options[0], normalize_qk=options[1],
-                 interpret=options[2], block_v=options[3], return_parts=return_parts)
+                 interpret=options[2], block_v=options[3], return_saved=return_saved)
 
 
 def _forward_saving(q, k, v, g, beta, h0, segment_ids, options):
-  """The forward, keeping the intra kernel's outputs for backward="kernel_intra"."""
+  """The forward, keeping the intra kernel's outputs, S_n and V_new for
+  backward="kernel_intra"."""
   if options[-1] != "kernel_intra":
     return _forward(q, k, v, g, beta, h0, segment_ids, options), None
-  o, s, parts = _forward(q, k, v, g, beta, h0, segment_ids, options, return_parts=True)
-  return (o, s), parts
+  o, s, saved = _forward(q, k, v, g, beta, h0, segment_ids, options, return_saved=True)
+  return (o, s), saved
 
 
 _kda = kernel_vjp.kernel_op(
     _forward, {"kernel": _kernel_backward("xla"), "kernel_intra": _kernel_backward("kernel")},
-    GATE_BOUND, forward_saving=_forward_saving)
+    GATE_BOUND, forward_saving=_forward_saving, normalizing=("kernel_intra",))
 
 
 def chunk_kda_mosaic_gpu(q, k, v, g, beta, *, scale: float | None = None,

@@ -65,8 +65,8 @@ def _warpgroups(cfg) -> int:
 def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_ref,
           dqd_ref, dkg_ref, daqk_ref, ddec_ref,
           dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
-          q_s, k_s, g_s, m_s, dw_s, dp_s, u_s, beta_s, cnt_s, dbeta_s, union, bar, syncs,
-          *stage):
+          q_s, k_s, g_s, m_s, dw_s, dp_s, u_s, beta_s, cnt_s, dbeta_s, norm_s, dot_s, union,
+          bar, syncs, *stage):
   """One chunk: (dq, dk, dv, dG reverse-summed = dg, dbeta) (see the module doc)."""
   c, kd, dv, half_w = fwd.CHUNK, cfg.key_dim, v_ref.shape[-1], fwd.HALF
   (kd_s, v_s, bv_s, du_s, dm_s), per_wg = union
@@ -115,10 +115,22 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     dp_s.at[z][...] = jnp.where(lower_left, 0.0, d_p).astype(_BF16)
     dp_s.at[2 + z][...] = jnp.where(lower_left, d_p, 0.0).astype(_BF16)
 
+  def normalize(z, x_s):
+    """x_s's rows L2-normalised in place (bf16), 1 / |x_r| kept in norm_s[z]."""
+    inv = fwd._inverse_row_norm(x_s, kd)
+    norm_s.at[z][...] = inv
+    for slab in range(kd // half_w):
+      cols = pl.ds(slab * half_w, half_w)
+      x_s.at[:, cols][...] = (load(x_s.at[:, cols]).astype(_F32)
+                              * fwd._rows(inv, (c, half_w))).astype(_BF16)
+
   # 1. UT transform: warpgroup 0 forms G, K_d, beta V, dM and dL (dP_1); the last warpgroup
-  # dP_0 = dA_qk and d(beta V) = M^T dU (dv and beta's V term).
+  # dP_0 = dA_qk and d(beta V) = M^T dU (dv and beta's V term). With normalize_qk, first the
+  # rows of k (warpgroup 0) and q (the last) are L2-normalised.
   @pl.when(wg == 0)
   def _():
+    if cfg.normalize_qk:
+      normalize(1, k_s)
     if cfg.scan:                      # G = cumsum(g)
       fwd._cumsum_rows(g_s)
     for slab in range(kd // _WIDE):
@@ -140,6 +152,8 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
 
   @pl.when(wg == wgs - 1)
   def _():
+    if cfg.normalize_qk:
+      normalize(0, q_s)
     split_dp(0, jnp.where(causal, load(daqk_ref.at[b, h, tok]).astype(_F32), 0.0))
     u_s[...] = jnp.where(row <= col, 1.0, 0.0).astype(_BF16)  # reverse cumsum over rows
     d_beta = None
@@ -179,7 +193,12 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
   # One code path for both warpgroups (the slab index is traced from `wg`): two instruction
   # streams compete for the instruction cache (4.32 -> 3.61 ms fwd+bwd at H=32).
   kmid_s, k31_s, xup_s, x31_s, hi_s, lo_s = (x.at[wg] for x in per_wg)
-  d_beta = None
+  d_beta = dq_dot = dk_dot = None
+
+  def row_dot(acc, x_s, cols, dx):
+    """acc + the rows of (normalised x) . dx over this slab (the L2 norm's VJP needs it)."""
+    part = jnp.sum(load(x_s.at[:, cols]).astype(_F32) * dx, axis=1)
+    return part if acc is None else acc + part
   # Each product group's results are consumed before the next is issued, and the slab's
   # decays are recomputed from SMEM, so that fewer [C, 32] fp32 arrays are live at once.
   for i in range(kd // half_w // wgs):
@@ -200,6 +219,8 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     pre = to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols])
     dx = jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low + pre    # d(scale q)
     dq_ref.at[b, tok, h, cols][...] = (cfg.scale * dx).astype(dq_ref.dtype)
+    if cfg.normalize_qk:
+      dq_dot = row_dot(dq_dot, q_s, cols, cfg.scale * dx)
     # dG's pair terms from the same bf16 operands as the column direction's (module doc, 3.).
     d_g = (rounded(xup_s.at[0]) * diag + rounded(x31_s.at[0]) * low
            + load(q_s.at[:, cols]).astype(_F32) * cfg.scale * pre)
@@ -229,6 +250,8 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
       e_end = e_end * fwd._rows(last_vec, half)
     d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
     dk_ref.at[b, tok, h, cols][...] = (d_k + dk_intra + d_kg).astype(dk_ref.dtype)
+    if cfg.normalize_qk:
+      dk_dot = row_dot(dk_dot, k_s, cols, d_k + dk_intra + d_kg)
     # dg = U (dG - kg_d + e_last (sum_j kg_d_j + chunk-decay term)) = U dG + U^T kg_d - kg_d
     # + chunk-decay term: the column sum on the tensor cores (no cross-warp reduction, see the
     # module doc). kmid_s and k31_s are free again (their products were read above).
@@ -248,7 +271,23 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     @pl.when(wg == w)
     def _():
       dbeta_s.at[w][...] = d_beta
+      if cfg.normalize_qk:
+        dot_s.at[0, w][...] = dq_dot
+        dot_s.at[1, w][...] = dk_dot
   both_done(1)
+
+  # 4. With normalize_qk, the L2 norm's VJP on this warpgroup's slabs of dq and dk (written
+  # above as the gradients of the normalised rows y = x / |x|): dx = (dy - y (y . dy)) / |x|,
+  # y . dy summed over both warpgroups' slabs.
+  if cfg.normalize_qk:
+    for z, (x_s, d_ref) in enumerate(((q_s, dq_ref), (k_s, dk_ref))):
+      dot = fwd._rows(sum(load(dot_s.at[z, w], fwd._ROW) for w in range(wgs)), half)
+      inv = fwd._rows(load(norm_s.at[z], fwd._ROW), half)
+      for i in range(kd // half_w // wgs):
+        cols = pl.ds(pl.multiple_of((wg + wgs * i) * half_w, half_w), half_w)
+        dy = load(d_ref.at[b, tok, h, cols]).astype(_F32)
+        y = load(x_s.at[:, cols]).astype(_F32)
+        d_ref.at[b, tok, h, cols][...] = (inv * (dy - y * dot)).astype(d_ref.dtype)
 
   @pl.when(wg == 0)
   def _():
@@ -280,7 +319,8 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
       scratch_types=[
           op((c, kd)), op((c, kd)), plgpu.SMEM((c, kd), _F32), op((c, c)), op((c, kd)),
           op((4, c, c)), op((c, c)), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
-          plgpu.SMEM((wgs + 1, c), _F32),
+          plgpu.SMEM((wgs + 1, c), _F32), plgpu.SMEM((2, c), _F32),
+          plgpu.SMEM((2, wgs, c), _F32),
           plgpu.RefUnion((op((c, kd)), op((c, dv)), op((c, dv)), op((c, dv)), op((c, c))),
                          (op((wgs, c, half_w)), op((wgs, c, half_w)), op((wgs, 2, c, half_w)),
                           op((wgs, 2, c, half_w)), op((wgs, c, half_w)),
@@ -294,9 +334,10 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
   return call(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d_dec)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "normalize_qk"))
 def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
-              interpret=False, prepared=None) -> tuple[jax.Array, ...]:
+              interpret=False, prepared=None, normalize_qk: bool = False
+              ) -> tuple[jax.Array, ...]:
   """`chunked.chunk_parts_vjp(..., gate_bound=-5.0)` on the kernel.
 
   Args:
@@ -307,11 +348,15 @@ def parts_vjp(q, k, v, g, beta, m, cotangents, *, scale: float, segment_ids,
     interpret: False (compile for the GPU), True or a `plgpu.InterpretGPUParams`.
     prepared: `mosaic_gpu.prepare(q, k, v, g, beta, None, segment_ids)` if the caller has it
       (the kernel backward, from the forward's intra kernel), else computed here.
+    normalize_qk: q and k are raw and the parts were formed from their L2-normalised rows
+      (`reference.l2_normalize`): the kernel normalises them too and returns dq, dk through
+      the norm's VJP.
 
   Returns:
     (dq, dk, dv, dg, dbeta) in the inputs' shapes and dtypes.
   """
-  cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret)
+  cfg, interp = fwd.config(q, segment_ids, scale=scale, interpret=interpret,
+                           normalize_qk=normalize_qk)
   if prepared is None:
     prepared = fwd.prepare(q, k, v, g, beta, None, segment_ids)
   qp, kp, gp, vp, beta_t, counts, _ = prepared

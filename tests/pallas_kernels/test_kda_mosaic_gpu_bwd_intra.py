@@ -53,8 +53,9 @@ def ut_inverse(k, g, beta, segment_ids) -> np.ndarray:
   return np.linalg.inv(np.eye(CHUNK) + lower)
 
 
-def check(x: dict, segment_ids, seed: int) -> dict:
-  """Kernel vs reference on random cotangents; returns the relative errors."""
+def check(x: dict, segment_ids, seed: int, normalize_qk: bool = False) -> dict:
+  """Kernel vs reference on random cotangents; returns the relative errors. With normalize_qk
+  q, k are raw: the reference is the VJP of `chunk_parts_vjp`'s function after the L2 norm."""
   args = tuple(x[n] for n in NAMES)
   b, t, h, dk = x["q"].shape
   dv = x["v"].shape[-1]
@@ -63,10 +64,17 @@ def check(x: dict, segment_ids, seed: int) -> dict:
   shapes = [(b, h, n, CHUNK, dk), (b, h, n, CHUNK, dk), (b, h, n, CHUNK, dv),
             (b, h, n, CHUNK, dk), (b, h, n, CHUNK, CHUNK), (b, h, n, dk)]
   cot = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes)
-  m = jnp.asarray(ut_inverse(x["k"], x["g"], x["beta"], segment_ids), jnp.float32)
+  q, k = x["q"], x["k"]
+  if normalize_qk:
+    (q, k), norm_vjp = jax.vjp(lambda a, b: (reference.l2_normalize(a),
+                                             reference.l2_normalize(b)), q, k)
+  m = jnp.asarray(ut_inverse(k, x["g"], x["beta"], segment_ids), jnp.float32)
   kw = {"scale": dk ** -0.5, "segment_ids": segment_ids}
-  got = mosaic_gpu_bwd_intra.parts_vjp(*args, m, cot, interpret=INTERPRET, **kw)
-  want = chunked.chunk_parts_vjp(*args, m, cot, gate_bound=-5.0, **kw)
+  got = mosaic_gpu_bwd_intra.parts_vjp(*args, m, cot, interpret=INTERPRET,
+                                       normalize_qk=normalize_qk, **kw)
+  want = chunked.chunk_parts_vjp(q, k, *args[2:], m, cot, gate_bound=-5.0, **kw)
+  if normalize_qk:
+    want = (*norm_vjp(tuple(want[:2])), *want[2:])
   errs = {}
   for name, arg, a, w in zip(GRADS, args, got, want):
     assert a.shape == arg.shape and a.dtype == arg.dtype, name
@@ -90,6 +98,17 @@ def test_parts_vjp_matches_chunked(b, t, h, dk, dv, with_segments):
   x = reference.example_inputs(jax.random.key(t + dk + dv), b, t, h, dk, dv, gate="bounded",
                                with_initial_state=False)
   errs = check(x, segments(t, b) if with_segments else None, t)
+  assert max(errs.values()) < TOL, errs
+
+
+def test_l2_norm_in_kernel():
+  """normalize_qk: raw q, k (not unit rows) normalised in the kernel and dq, dk through the
+  norm's VJP, against XLA's norm and its VJP around the fp32 reference."""
+  b, t, h, d = 1, 130, 2, 128
+  x = reference.example_inputs(jax.random.key(13), b, t, h, d, d, gate="bounded",
+                               with_initial_state=False)
+  x["q"], x["k"] = 3.0 * x["q"] + 0.5, 0.2 * x["k"] - 0.1
+  errs = check(x, segments(t, b), 13, normalize_qk=True)
   assert max(errs.values()) < TOL, errs
 
 
@@ -126,9 +145,9 @@ def test_lowers_for_hopper():
             sds(b, h, n, CHUNK, CHUNK), cot,
             sds(b, t, d=jnp.int32) if with_segments else None)
 
-    def f(q, k, v, g, beta, m, cot, sid, scale=dk ** -0.5):
+    def f(q, k, v, g, beta, m, cot, sid, scale=dk ** -0.5, normalize_qk=with_segments):
       return mosaic_gpu_bwd_intra.parts_vjp(q, k, v, g, beta, m, cot, scale=scale,
-                                            segment_ids=sid)
+                                            segment_ids=sid, normalize_qk=normalize_qk)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
