@@ -119,10 +119,14 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     """x_s's rows L2-normalised in place (bf16), 1 / |x_r| kept in norm_s[z]."""
     inv = fwd._inverse_row_norm(x_s, kd)
     norm_s.at[z][...] = inv
-    for slab in range(kd // half_w):
-      cols = pl.ds(slab * half_w, half_w)
-      x_s.at[:, cols][...] = (load(x_s.at[:, cols]).astype(_F32)
-                              * fwd._rows(inv, (c, half_w))).astype(_BF16)
+    inv = fwd._rows(inv, (c, half_w))
+
+    def step(j, carry):
+      cols = pl.ds(pl.multiple_of(j * half_w, half_w), half_w)
+      x_s.at[:, cols][...] = (load(x_s.at[:, cols]).astype(_F32) * inv).astype(_BF16)
+      return carry
+
+    lax.fori_loop(0, kd // half_w, step, 0)
 
   # 1. UT transform: warpgroup 0 forms G, K_d, beta V, dM and dL (dP_1); the last warpgroup
   # dP_0 = dA_qk and d(beta V) = M^T dU (dv and beta's V term). With normalize_qk, first the
@@ -193,16 +197,14 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
   # One code path for both warpgroups (the slab index is traced from `wg`): two instruction
   # streams compete for the instruction cache (4.32 -> 3.61 ms fwd+bwd at H=32).
   kmid_s, k31_s, xup_s, x31_s, hi_s, lo_s = (x.at[wg] for x in per_wg)
-  d_beta = dq_dot = dk_dot = None
+  slabs = kd // half_w // wgs
+  slab_cols = lambda i: pl.ds(pl.multiple_of((wg + wgs * i) * half_w, half_w), half_w)
 
-  def row_dot(acc, x_s, cols, dx):
-    """acc + the rows of (normalised x) . dx over this slab (the L2 norm's VJP needs it)."""
-    part = jnp.sum(load(x_s.at[:, cols]).astype(_F32) * dx, axis=1)
-    return part if acc is None else acc + part
   # Each product group's results are consumed before the next is issued, and the slab's
-  # decays are recomputed from SMEM, so that fewer [C, 32] fp32 arrays are live at once.
-  for i in range(kd // half_w // wgs):
-    cols = pl.ds(pl.multiple_of((wg + wgs * i) * half_w, half_w), half_w)
+  # decays are recomputed from SMEM, so that fewer [C, 32] fp32 arrays are live at once. A
+  # loop, not unrolled: one copy of the code for the instruction cache.
+  def slab_step(i, d_beta):
+    cols = slab_cols(i)
     g, d, t31 = decays(cols)
     k = load(k_s.at[:, cols]).astype(_F32)
     e_up = jnp.exp(d)
@@ -219,8 +221,6 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     pre = to_chunk_start(g) * load(dqd_ref.at[b, h, tok, cols])
     dx = jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low + pre    # d(scale q)
     dq_ref.at[b, tok, h, cols][...] = (cfg.scale * dx).astype(dq_ref.dtype)
-    if cfg.normalize_qk:
-      dq_dot = row_dot(dq_dot, q_s, cols, cfg.scale * dx)
     # dG's pair terms from the same bf16 operands as the column direction's (module doc, 3.).
     d_g = (rounded(xup_s.at[0]) * diag + rounded(x31_s.at[0]) * low
            + load(q_s.at[:, cols]).astype(_F32) * cfg.scale * pre)
@@ -233,8 +233,7 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     pre = to_chunk_start(g) * d_kd
     dx = jnp.exp(d) * diag + jnp.where(second, t31, 0.0) * low + pre    # d(beta k)
     k = load(k_s.at[:, cols]).astype(_F32)
-    part = jnp.sum(k * dx, axis=1)
-    d_beta = part if d_beta is None else d_beta + part
+    d_beta = d_beta + jnp.sum(k * dx, axis=1)
     d_g = d_g + rounded(xup_s.at[1]) * diag + rounded(x31_s.at[1]) * low + k * beta * pre
     d_k = beta * dx
 
@@ -250,8 +249,6 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
       e_end = e_end * fwd._rows(last_vec, half)
     d_kg = e_end * load(dkg_ref.at[b, h, tok, cols])
     dk_ref.at[b, tok, h, cols][...] = (d_k + dk_intra + d_kg).astype(dk_ref.dtype)
-    if cfg.normalize_qk:
-      dk_dot = row_dot(dk_dot, k_s, cols, d_k + dk_intra + d_kg)
     # dg = U (dG - kg_d + e_last (sum_j kg_d_j + chunk-decay term)) = U dG + U^T kg_d - kg_d
     # + chunk-decay term: the column sum on the tensor cores (no cross-warp reduction, see the
     # module doc). kmid_s and k31_s are free again (their products were read above).
@@ -266,28 +263,54 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
              * load(ddec_ref.at[b, h, n, cols], fwd._COL))
     cum = mma.product(half, [(u_s, hi_s), (u_s, lo_s), (u_s.T, kmid_s), (u_s.T, k31_s)])
     dg_ref.at[b, tok, h, cols][...] = cum - kg_d + fwd._cols(d_dec, half)
+    return d_beta
+
+  d_beta = lax.fori_loop(0, slabs, slab_step,
+                         plgpu.layout_cast(jnp.zeros((c,), _F32), fwd._ROW))
   for w in range(wgs):          # rows of dbeta_s by static index (a traced one is unchecked)
 
     @pl.when(wg == w)
     def _():
       dbeta_s.at[w][...] = d_beta
-      if cfg.normalize_qk:
-        dot_s.at[0, w][...] = dq_dot
-        dot_s.at[1, w][...] = dk_dot
   both_done(1)
 
   # 4. With normalize_qk, the L2 norm's VJP on this warpgroup's slabs of dq and dk (written
   # above as the gradients of the normalised rows y = x / |x|): dx = (dy - y (y . dy)) / |x|,
-  # y . dy summed over both warpgroups' slabs.
+  # y . dy summed over both warpgroups' slabs (after the slab loop, to keep its registers).
   if cfg.normalize_qk:
-    for z, (x_s, d_ref) in enumerate(((q_s, dq_ref), (k_s, dk_ref))):
-      dot = fwd._rows(sum(load(dot_s.at[z, w], fwd._ROW) for w in range(wgs)), half)
-      inv = fwd._rows(load(norm_s.at[z], fwd._ROW), half)
-      for i in range(kd // half_w // wgs):
-        cols = pl.ds(pl.multiple_of((wg + wgs * i) * half_w, half_w), half_w)
-        dy = load(d_ref.at[b, tok, h, cols]).astype(_F32)
-        y = load(x_s.at[:, cols]).astype(_F32)
-        d_ref.at[b, tok, h, cols][...] = (inv * (dy - y * dot)).astype(d_ref.dtype)
+    grads = ((q_s, dq_ref), (k_s, dk_ref))
+
+    def rows(z, i):
+      """Slab i's columns, y and dy of q (z = 0) or k (z = 1), in fp32."""
+      cols = slab_cols(i)
+      x_s, d_ref = grads[z]
+      return cols, load(x_s.at[:, cols]).astype(_F32), load(d_ref.at[b, tok, h, cols]).astype(
+          _F32)
+
+    def dot_step(i, acc):
+      return tuple(a + jnp.sum(y * dy, axis=1) for a, (_, y, dy) in zip(acc, (rows(0, i),
+                                                                             rows(1, i))))
+
+    zero = plgpu.layout_cast(jnp.zeros((c,), _F32), fwd._ROW)
+    dots = lax.fori_loop(0, slabs, dot_step, (zero, zero))
+    for w in range(wgs):
+
+      @pl.when(wg == w)
+      def _():
+        for z, dot in enumerate(dots):
+          dot_s.at[z, w][...] = dot
+    both_done(2)
+    dots = [fwd._rows(sum(load(dot_s.at[z, w], fwd._ROW) for w in range(wgs)), half)
+            for z in range(2)]
+    invs = [fwd._rows(load(norm_s.at[z], fwd._ROW), half) for z in range(2)]
+
+    def vjp_step(i, carry):
+      for z, d_ref in enumerate((dq_ref, dk_ref)):
+        cols, y, dy = rows(z, i)
+        d_ref.at[b, tok, h, cols][...] = (invs[z] * (dy - y * dots[z])).astype(d_ref.dtype)
+      return carry
+
+    lax.fori_loop(0, slabs, vjp_step, 0)
 
   @pl.when(wg == 0)
   def _():
@@ -326,7 +349,7 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
                           op((wgs, 2, c, half_w)), op((wgs, c, half_w)),
                           op((wgs, c, half_w)))),
           plgpu.Barrier(num_arrivals=9 if cfg.has_segments else 8),
-          plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
+          plgpu.Barrier(num_arrivals=wgs, num_barriers=3),
           *fwd._stage(cfg)],
       grid=(cfg.num_chunks, h, b), grid_names=("n", "h", "b"),
       num_threads=wgs, thread_name="wg",
