@@ -37,9 +37,17 @@ chunk's last row needs is U^T's product instead.
 XLA runs `mosaic_gpu.prepare` (padding, bf16 q, k, v; the K = 64 cumsum), the cotangents' and
 M's reshapes (dW, dU, M to bf16), and the final slicing. Interpreter against fp32
 `chunk_parts_vjp`: relative L2 errors <= 5.6e-3 (dg), about half from the bf16 inputs. SMEM
-~205 KiB at K = V = 128. Passed its tests compiled on the H200 (2026-11-30). Fwd+bwd of the
-whole op at B=1, T=8192 (value_and_grad): 4.32 ms with two code paths, 3.61 ms with one at
-H=32 (11.9 -> 9.49 ms at H=96).
+~207 KiB at K = V = 128.
+With normalize_qk (fla's `use_qk_l2norm_in_kernel`) q and k arrive raw: warpgroup 0 normalises
+k's rows in SMEM before step 1 and the last warpgroup q's (1 / |x| kept); after step 3 each
+warpgroup reads back its slabs of dq, dk (the gradients of the normalised rows y), the row
+dots y . dy are summed over both warpgroups through SMEM, and dx = (dy - y (y . dy)) / |x| is
+written over them, so no XLA pass touches q, k or their gradients.
+Code size matters: with the slab loop and the norm passes unrolled in Python the kernel
+overflowed the instruction cache (fwd+bwd at H=32 3.54 ms); as loops, 2.58 ms.
+Passed its tests compiled on the H200 (2026-11-30, session 12: the end-to-end kernel_intra
+tests and the first six of this file's; the rest ran in the interpreter). Fwd+bwd of the whole
+op at B=1, T=8192 (`jax.vjp`): 2.61 ms at H=32, 7.48 ms at H=96.
 """
 import functools
 
