@@ -67,7 +67,8 @@ def parts_of(b, t, h):
     nb, nh, n, c, _ = qd.shape
     tokens = lambda a, dt: a.reshape(nb, nh, n * c, a.shape[-1]).astype(dt)
     wn, kg_b = tokens(-w, jnp.bfloat16), tokens(kg, jnp.bfloat16)
-    s_in = mosaic_gpu_bwd.states_kernel(wn, tokens(u, jnp.float32), kg_b, dec, h0, cfg, interp)
+    s_in, _ = mosaic_gpu_bwd.states_kernel(wn, tokens(u, jnp.float32), kg_b, dec, h0, cfg,
+                                           interp)
     dvn, ds, _ = mosaic_gpu_bwd.dstates_kernel(tokens(qd, jnp.bfloat16), wn, kg_b,
                                                tokens(aqk, jnp.bfloat16), dec, d_o, h0, cfg,
                                                interp)
