@@ -39,9 +39,10 @@ chunk's first segment, K_g to its last, and zero the carried state when a
 segment starts inside the chunk (as chunked.py).
 
 Backward: `chunk_kda_mosaic_gpu` is a `jax.custom_vjp` (`kernel_vjp.kernel_op`).
-backward="kernel_intra" (default) is `mosaic_gpu_bwd.backward(parts="kernel")`: the
-serial state walks (forward for the states, reverse for their gradients), the parts'
-cotangents and their VJP, all Mosaic GPU kernels; "kernel" does the chunk-parallel
+backward="kernel_intra" (default) is `mosaic_gpu_bwd.backward(parts="kernel")` on what the
+forward saved (`mosaic_gpu_bwd.Saved`: kernel 1's outputs, and S_n and V_new that kernel 2
+writes with `save=True`): the reverse walk for the states' gradients, the parts' cotangents
+and their VJP (with the L2 norm's VJP under normalize_qk), all Mosaic GPU kernels; "kernel" does the chunk-parallel
 gradients as batched XLA einsums instead (2.6x slower fwd+bwd); "chunked" is the VJP of
 the chunked JAX tier (`chunked.chunk_kda` with gate_bound -5). All three passed their
 GPU tests on the H200.
