@@ -7,8 +7,9 @@ returning (dq, dk, dv, dg, dbeta, dh0); `options` is a hashable tuple of static 
 forward returning ((o, S_T), saved) with values of its own that its backward reuses instead
 of recomputing them (kept as residuals); `saved` is None without it. With normalize_qk the
 forward L2-normalises q and k itself (fla's `use_qk_l2norm_in_kernel`); the backwards then
-run on the normalised q, k (recomputed by XLA) and the norm's VJP is applied after them,
-except the backwards named in `normalizing`, which take the raw q, k and do both themselves.
+run on the normalised q, k (recomputed by XLA, and options[1] cleared for them) and the norm's
+VJP is applied after them, except the backwards named in `normalizing`, which take the raw
+q, k with options[1] set and do both themselves.
 Every tier also gets "chunked": the VJP of the chunked JAX tier (`chunked.chunk_kda`, bounded
 gate), exact in fp32.
 """
@@ -57,6 +58,7 @@ def kernel_op(forward: Callable, backwards: dict[str, Callable], gate_bound: flo
     q, k, *rest = res
     in_xla = options[1] and options[-1] not in normalizing
     if in_xla:
+      options = (options[0], False, *options[2:])
       (q, k), norm_vjp = jax.vjp(lambda a, b: (reference.l2_normalize(a),
                                                reference.l2_normalize(b)), q, k)
     grads = backwards[options[-1]](q, k, *rest, *cot, options, saved)

@@ -41,11 +41,11 @@ segment starts inside the chunk (as chunked.py).
 Backward: `chunk_kda_mosaic_gpu` is a `jax.custom_vjp` (`kernel_vjp.kernel_op`).
 backward="kernel_intra" (default) is `mosaic_gpu_bwd.backward(parts="kernel")` on what the
 forward saved (`mosaic_gpu_bwd.Saved`: kernel 1's outputs, and S_n and V_new that kernel 2
-writes with `save=True`): the reverse walk for the states' gradients, the parts' cotangents
-and their VJP (with the L2 norm's VJP under normalize_qk), all Mosaic GPU kernels; "kernel" does the chunk-parallel
-gradients as batched XLA einsums instead (2.6x slower fwd+bwd); "chunked" is the VJP of
-the chunked JAX tier (`chunked.chunk_kda` with gate_bound -5). All three passed their
-GPU tests on the H200.
+writes with `save=True`): the reverse walk for the states' gradients, the parts' cotangents and
+their VJP (with the L2 norm's VJP under normalize_qk), all Mosaic GPU kernels; "kernel" does
+the chunk-parallel gradients as batched XLA einsums instead (2.6x slower fwd+bwd); "chunked" is
+the VJP of the chunked JAX tier (`chunked.chunk_kda` with gate_bound -5). All three passed
+their GPU tests on the H200.
 
 Interpret mode (`interpret=True` uses `plgpu.InterpretGPUParams()`): the CPU
 interpreter's wgmma reads both operands from SMEM and cannot start from an
@@ -588,7 +588,7 @@ def _kernel_backward(parts: str):
     scale, normalize_qk, interpret, block_v, _ = options
     return mosaic_gpu_bwd.backward(q, k, v, g, beta, h0, segment_ids, d_o, d_s, scale=scale,
                                    interpret=interpret, block_v=block_v, parts=parts,
-                                   saved=saved, normalize_qk=normalize_qk and parts == "kernel")
+                                   saved=saved, normalize_qk=normalize_qk)
   return bwd
 
 

@@ -41,8 +41,9 @@ M's reshapes (dW, dU, M to bf16), and the final slicing. Interpreter against fp3
 With normalize_qk (fla's `use_qk_l2norm_in_kernel`) q and k arrive raw: warpgroup 0 normalises
 k's rows in SMEM before step 1 and the last warpgroup q's (1 / |x| kept); after step 3 each
 warpgroup reads back its slabs of dq, dk (the gradients of the normalised rows y), the row
-dots y . dy are summed over both warpgroups through SMEM, and dx = (dy - y (y . dy)) / |x| is
-written over them, so no XLA pass touches q, k or their gradients.
+dots y . dy are summed over both warpgroups through SMEM (with dbeta's, at the same sync),
+and dx = (dy - y (y . dy)) / |x| is written over them, so no XLA pass touches q, k or their
+gradients.
 Code size matters: with the slab loop and the norm passes unrolled in Python the kernel
 overflowed the instruction cache (fwd+bwd at H=32 3.54 ms); as loops, 2.58 ms.
 Passed its tests compiled on the H200 (2026-11-30, session 12: the end-to-end kernel_intra
@@ -273,41 +274,37 @@ def _body(cfg, q_ref, k_ref, g_ref, v_ref, beta_ref, cnt_ref, m_ref, dw_ref, du_
     dg_ref.at[b, tok, h, cols][...] = cum - kg_d + fwd._cols(d_dec, half)
     return d_beta
 
-  d_beta = lax.fori_loop(0, slabs, slab_step,
-                         plgpu.layout_cast(jnp.zeros((c,), _F32), fwd._ROW))
+  zero = plgpu.layout_cast(jnp.zeros((c,), _F32), fwd._ROW)
+  d_beta = lax.fori_loop(0, slabs, slab_step, zero)
+
+  # 4. With normalize_qk, the L2 norm's VJP on this warpgroup's slabs of dq and dk (written
+  # above as the gradients of the normalised rows y = x / |x|): dx = (dy - y (y . dy)) / |x|,
+  # y . dy summed over both warpgroups' slabs (read back after the slab loop, to keep its
+  # registers; each thread reads what it wrote).
+  grads = ((q_s, dq_ref), (k_s, dk_ref))
+
+  def rows(z, i):
+    """Slab i's columns, y and dy of q (z = 0) or k (z = 1), in fp32."""
+    cols = slab_cols(i)
+    x_s, d_ref = grads[z]
+    return cols, load(x_s.at[:, cols]).astype(_F32), load(d_ref.at[b, tok, h, cols]).astype(
+        _F32)
+
+  def dot_step(i, acc):
+    return tuple(a + jnp.sum(y * dy, axis=1) for a, (_, y, dy) in zip(acc, (rows(0, i),
+                                                                           rows(1, i))))
+
+  dots = lax.fori_loop(0, slabs, dot_step, (zero, zero)) if cfg.normalize_qk else ()
   for w in range(wgs):          # rows of dbeta_s by static index (a traced one is unchecked)
 
     @pl.when(wg == w)
     def _():
       dbeta_s.at[w][...] = d_beta
+      for z, dot in enumerate(dots):
+        dot_s.at[z, w][...] = dot
   both_done(1)
 
-  # 4. With normalize_qk, the L2 norm's VJP on this warpgroup's slabs of dq and dk (written
-  # above as the gradients of the normalised rows y = x / |x|): dx = (dy - y (y . dy)) / |x|,
-  # y . dy summed over both warpgroups' slabs (after the slab loop, to keep its registers).
   if cfg.normalize_qk:
-    grads = ((q_s, dq_ref), (k_s, dk_ref))
-
-    def rows(z, i):
-      """Slab i's columns, y and dy of q (z = 0) or k (z = 1), in fp32."""
-      cols = slab_cols(i)
-      x_s, d_ref = grads[z]
-      return cols, load(x_s.at[:, cols]).astype(_F32), load(d_ref.at[b, tok, h, cols]).astype(
-          _F32)
-
-    def dot_step(i, acc):
-      return tuple(a + jnp.sum(y * dy, axis=1) for a, (_, y, dy) in zip(acc, (rows(0, i),
-                                                                             rows(1, i))))
-
-    zero = plgpu.layout_cast(jnp.zeros((c,), _F32), fwd._ROW)
-    dots = lax.fori_loop(0, slabs, dot_step, (zero, zero))
-    for w in range(wgs):
-
-      @pl.when(wg == w)
-      def _():
-        for z, dot in enumerate(dots):
-          dot_s.at[z, w][...] = dot
-    both_done(2)
     dots = [fwd._rows(sum(load(dot_s.at[z, w], fwd._ROW) for w in range(wgs)), half)
             for z in range(2)]
     invs = [fwd._rows(load(norm_s.at[z], fwd._ROW), half) for z in range(2)]
@@ -357,7 +354,7 @@ def intra_vjp_kernel(q, k, g, v, beta, counts, m, d_w, d_u, d_qd, d_kg, d_aqk, d
                           op((wgs, 2, c, half_w)), op((wgs, c, half_w)),
                           op((wgs, c, half_w)))),
           plgpu.Barrier(num_arrivals=9 if cfg.has_segments else 8),
-          plgpu.Barrier(num_arrivals=wgs, num_barriers=3),
+          plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
           *fwd._stage(cfg)],
       grid=(cfg.num_chunks, h, b), grid_names=("n", "h", "b"),
       num_threads=wgs, thread_name="wg",
