@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/h200_baseline.sh ceilings kda_tests   # ~9 min: probe, ceilings, kernel tests
 #   bash benchmarks/h200_baseline.sh kda                   # ~8 min: KDA parts, ours vs fla (H 32, 96)
-#   bash benchmarks/h200_baseline.sh kda_quick             # ~6 min: kernel_intra backward tests, H=32 vs fla
+#   bash benchmarks/h200_baseline.sh kda_quick             # ~7 min: H=32 vs fla, then kernel_intra backward
+#                                                          # tests (KDA_QUICK_TEST_S seconds, default 300)
 #   bash benchmarks/h200_baseline.sh kda_ptxas             # ~1 min: registers / spills of each KDA kernel
 #   bash benchmarks/h200_baseline.sh kda_trace             # ~1 min: XLA trace of fwd+bwd, time per kernel
 #   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
@@ -44,15 +45,15 @@ PY
       timeout 450 bash benchmarks/kda_kernels_gpu_test.sh 2>&1 | tee $OUT/kda_tests.log | tail -5
       ;;
     kda_quick)
-      K3JAX_KDA_TEST_ON_DEVICE=1 timeout 330 python3 -m pytest -q -p no:cacheprovider -x \
-        tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
+      timeout 150 python3 -m benchmarks.kda --shapes=1x8192x32 --reps=10 --out=$OUT/kda_h200.json \
+        --impls=mosaic_gpu,fla > $OUT/kda.log 2>&1
+      grep -aE " ms |rel L2|Error" $OUT/kda.log | sort -u
+      K3JAX_KDA_TEST_ON_DEVICE=1 timeout "${KDA_QUICK_TEST_S:-300}" python3 -m pytest -q \
+        -p no:cacheprovider -x tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
         tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
         tests/pallas_kernels/test_mosaic_gpu_patterns.py \
         tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py -k "intra or saved or strong or pattern or cotan" \
         2>&1 | tee $OUT/kda_tests.log | tail -4
-      timeout 150 python3 -m benchmarks.kda --shapes=1x8192x32 --reps=10 --out=$OUT/kda_h200.json \
-        --impls=mosaic_gpu,fla > $OUT/kda.log 2>&1
-      grep -aE " ms |rel L2|Error" $OUT/kda.log | sort -u
       ;;
     kda_ptxas)
       MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/mosaic_dump timeout 150 python3 -m benchmarks.kda \

@@ -4,8 +4,11 @@ Times, in one process on the same inputs: the whole layer forward (and forward+b
 each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
 default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
 permutations (top-k, the layer's `sort_by_expert`, `dispatch` and `combine`) without the expert
-matmuls; the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and a dense bf16
-matmul of the same FLOPs (the ceiling).
+matmuls, and each of its parts alone (`routing_part_*`, beside the XLA forms they replace:
+the fp32 HIGHEST router matmul, the 16-bit row gather); the experts' SiTU on the gate and up
+products (`elementwise_*`: as written, in a sigmoid-only form, and an add of the same bytes);
+the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and a dense bf16 matmul
+of the same FLOPs (the ceiling).
 `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
 import functools
@@ -19,6 +22,7 @@ from flax import nnx
 from benchmarks import common
 from k3jax import config as config_lib
 from k3jax import latent_moe
+from k3jax import situ as situ_lib
 from pallas_kernels import ragged_dot as grouped_matmul
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
@@ -75,7 +79,39 @@ def main(argv):
                                   e.num_experts_per_tok, 1.0, True)
     order, inverse, _ = latent_moe.sort_by_expert(ex, e.num_experts)
     rows = latent_moe.dispatch(zz, order, inverse, e.num_experts_per_tok)
-    return latent_moe.combine(rows, wts, order, inverse)
+    # The barrier keeps the dispatched copies in memory, as the expert matmuls do in the
+    # layer; without it XLA fuses dispatch into combine's gather (z[order // k][inverse]).
+    return latent_moe.combine(jax.lax.optimization_barrier(rows), wts, order, inverse)
+
+  mi = e.moe_intermediate_size
+  kernel_f32 = moe.gate["kernel"][...].astype(jnp.float32)
+  order, inverse, _ = jax.jit(latent_moe.sort_by_expert, static_argnums=1)(
+      experts, e.num_experts)
+  rows_of = order // e.num_experts_per_tok
+  routing_parts = {
+      "router_logits_bf16x3": (latent_moe.router_logits, x[0], kernel_f32),
+      "router_logits_f32_highest": (
+          lambda xx, kk: jnp.dot(xx.astype(jnp.float32), kk,
+                                 precision=jax.lax.Precision.HIGHEST), x[0], kernel_f32),
+      "top_k": (lambda s: jax.lax.top_k(s, e.num_experts_per_tok),
+                jax.random.uniform(jax.random.key(6), (n, e.num_experts))),
+      "sort_by_expert": (lambda ex: latent_moe.sort_by_expert(ex, e.num_experts), experts),
+      "gather_rows_u32": (latent_moe.take_rows, z, rows_of),
+      "gather_rows_bf16": (lambda zz, r: zz[r], z, rows_of),
+      "combine": (latent_moe.combine, jax.random.normal(
+          jax.random.key(7), (n * e.num_experts_per_tok, lat), jnp.bfloat16), weights, order,
+                  inverse),
+  }
+  act = jax.random.normal(jax.random.key(8), (n * e.num_experts_per_tok, 2 * mi), jnp.bfloat16)
+  sigmoid_form = lambda y, b: b * (2 * jax.nn.sigmoid(2 * y / b) - 1)
+  elementwise = {
+      "situ": lambda a: situ_lib.situ(a[:, :mi], a[:, mi:], moe.beta1, moe.beta2),
+      "situ_sigmoid_form": lambda a: (
+          sigmoid_form(a[:, :mi].astype(jnp.float32), moe.beta1)
+          * jax.nn.sigmoid(a[:, :mi].astype(jnp.float32))
+          * sigmoid_form(a[:, mi:].astype(jnp.float32), moe.beta2)).astype(a.dtype),
+      "add_same_bytes": lambda a: a[:, :mi] + a[:, mi:],
+  }
 
   sizes = jnp.bincount(experts.reshape(-1), length=e.num_experts).astype(jnp.int32)
   rows = jax.random.normal(jax.random.key(3), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
@@ -83,7 +119,6 @@ def main(argv):
   def gemms(rr, w1, w3, w2, impl):
     return latent_moe.expert_ffn(rr, w1, w3, w2, sizes, moe.beta1, moe.beta2, ragged_dot_of(impl))
 
-  mi = e.moe_intermediate_size
   gemm_flops = 2 * n * e.num_experts_per_tok * lat * mi * 3
   dense_a = jax.random.normal(jax.random.key(4), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
   dense_b = jax.random.normal(jax.random.key(5), (lat, 3 * mi), jnp.bfloat16)
@@ -100,6 +135,10 @@ def main(argv):
         w["w2"][...])
   routing = jax.jit(routing_only)
   timings["routing_and_permutation"] = common.time_jax(routing, x[0], z)
+  for name, (fn, *args) in routing_parts.items():
+    timings["routing_part_" + name] = common.time_jax(jax.jit(fn), *args)
+  for name, fn in elementwise.items():
+    timings["elementwise_" + name] = common.time_jax(jax.jit(fn), act)
   if _PROFILE_DIR.value:
     with jax.profiler.trace(os.path.join(_PROFILE_DIR.value, "routing")):
       jax.block_until_ready(routing(x[0], z))
