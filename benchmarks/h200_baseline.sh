@@ -42,7 +42,8 @@ print(f"d2d copy: {2*2**30/ms/1e9:.2f} TB/s (read+write)")
 PY
       ;;
     kda_tests)
-      timeout 450 bash benchmarks/kda_kernels_gpu_test.sh 2>&1 | tee $OUT/kda_tests.log | tail -5
+      KDA_TEST_ARGS="-n 4" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 450 \
+        bash benchmarks/kda_kernels_gpu_test.sh 2>&1 | tee $OUT/kda_tests.log | tail -5
       ;;
     kda_quick)
       timeout 150 python3 -m benchmarks.kda --shapes=1x8192x32 --reps=10 --out=$OUT/kda_h200.json \
@@ -86,11 +87,11 @@ PY
         | tee $OUT/moe.log | grep " ms"
       ;;
     moe_trace)
-      timeout 200 python3 -m benchmarks.moe_layer --impls=default --out=/tmp/moe_trace.json \
+      timeout 200 python3 -m benchmarks.moe_layer --impls=default --out=$OUT/moe_h200.json \
         --profile_dir=/tmp/moe_trace > $OUT/moe_trace.log 2>&1
       for part in default routing; do
         cp "$(find /tmp/moe_trace/$part -name '*.trace.json.gz' | head -1)" $OUT/moe_trace_$part.json.gz
-        echo "== $part"; python3 -m benchmarks.trace_summary --trace=$OUT/moe_trace_$part.json.gz --top=20
+        echo "== $part"; python3 -m benchmarks.trace_summary --trace=$OUT/moe_trace_$part.json.gz --top=40 --by_hlo_op
       done
       ;;
     train)

@@ -5,6 +5,9 @@
 #   bash benchmarks/kda_kernels_gpu_test.sh --bench       # the tests, then the forward timed against fla
 #   bash benchmarks/kda_kernels_gpu_test.sh --bench-only  # only the timing
 #
+# KDA_TEST_ARGS: extra pytest arguments, e.g. "-n 4" (pytest-xdist; with
+# XLA_PYTHON_CLIENT_PREALLOCATE=false so the workers share the GPU).
+#
 # Timing: B=1, T=8192, K=V=128, bf16 q/k/v (unit-norm q, k), fp32 g = -5 sigmoid(x), beta in (0, 1);
 # forward only. fla-core's chunk_kda (pure Triton, FLA_DISABLE_BACKEND_DISPATCH=1) runs on the same
 # inputs when `fla` imports (carry its wheel); the table also gives the relative L2 difference of
@@ -19,7 +22,7 @@ export K3JAX_KDA_TEST_ON_DEVICE=1
 mode="${1:-}"
 
 if [[ "$mode" != "--bench-only" ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kda_mosaic_gpu.py \
+  python3 -m pytest -q -p no:cacheprovider ${KDA_TEST_ARGS:-} tests/pallas_kernels/test_kda_mosaic_gpu.py \
     tests/pallas_kernels/test_kda_mosaic_gpu_bwd.py tests/pallas_kernels/test_kda_mosaic_gpu_bwd_intra.py \
     tests/pallas_kernels/test_kda_mosaic_gpu_bwd_cotangents.py \
     tests/pallas_kernels/test_kda_recurrent_decode.py \

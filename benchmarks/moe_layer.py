@@ -4,8 +4,8 @@ Times, in one process on the same inputs: the whole layer forward (and forward+b
 each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
 default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
 permutations (top-k, the layer's `sort_by_expert`, `dispatch` and `combine`) without the expert
-matmuls, and each of its parts alone (`routing_part_*`, beside the XLA forms they replace:
-the fp32 HIGHEST router matmul, the 16-bit row gather); the experts' SiTU on the gate and up
+matmuls, and each of its parts alone (`routing_part_*`; the row gather both as 32-bit words
+and as written); the experts' SiTU on the gate and up
 products (`elementwise_*`: as written, in a sigmoid-only form, and an add of the same bytes);
 the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and a dense bf16 matmul
 of the same FLOPs (the ceiling).
@@ -89,10 +89,9 @@ def main(argv):
       experts, e.num_experts)
   rows_of = order // e.num_experts_per_tok
   routing_parts = {
-      "router_logits_bf16x3": (latent_moe.router_logits, x[0], kernel_f32),
-      "router_logits_f32_highest": (
-          lambda xx, kk: jnp.dot(xx.astype(jnp.float32), kk,
-                                 precision=jax.lax.Precision.HIGHEST), x[0], kernel_f32),
+      "router": (lambda xx: latent_moe.route(
+          xx, kernel_f32, moe.gate["e_score_correction_bias"][...], e.num_experts_per_tok, 1.0,
+          True)[:2], x[0]),
       "top_k": (lambda s: jax.lax.top_k(s, e.num_experts_per_tok),
                 jax.random.uniform(jax.random.key(6), (n, e.num_experts))),
       "sort_by_expert": (lambda ex: latent_moe.sort_by_expert(ex, e.num_experts), experts),

@@ -15,6 +15,9 @@ from absl import app, flags
 
 _TRACE = flags.DEFINE_string("trace", None, "A .trace.json.gz file, or a directory to search.")
 _TOP = flags.DEFINE_integer("top", 30, "Rows to print.")
+_BY_HLO_OP = flags.DEFINE_bool("by_hlo_op", False,
+                               "Group by (kernel, HLO module, HLO op): which op of which jit "
+                               "each kernel ran for.")
 
 
 def find_trace(path: str) -> pathlib.Path:
@@ -28,8 +31,9 @@ def find_trace(path: str) -> pathlib.Path:
   return found[-1]
 
 
-def device_op_times(trace: dict) -> list[tuple[str, int, float]]:
-  """(op name, calls, total microseconds) on the device timelines, largest total first."""
+def device_op_times(trace: dict, by_hlo_op: bool = False) -> list[tuple[str, int, float]]:
+  """(op name, calls, total microseconds) on the device timelines, largest total first; with
+  `by_hlo_op` the name also gives the HLO module and op the kernel ran for."""
   events = trace["traceEvents"]
   devices = {e["pid"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -37,8 +41,12 @@ def device_op_times(trace: dict) -> list[tuple[str, int, float]]:
   totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   for e in events:
     if e.get("ph") == "X" and e["pid"] in devices:
-      totals[e["name"]][0] += 1
-      totals[e["name"]][1] += float(e["dur"])
+      name = e["name"][:80]
+      if by_hlo_op:
+        args = e.get("args", {})
+        name += f"  [{args.get('hlo_module', '?')}: {args.get('hlo_op', '?')}]"
+      totals[name][0] += 1
+      totals[name][1] += float(e["dur"])
   return sorted(((name, n, us) for name, (n, us) in totals.items()), key=lambda r: -r[2])
 
 
@@ -46,7 +54,7 @@ def main(argv):
   del argv
   path = find_trace(_TRACE.value)
   with gzip.open(path) as f:
-    rows = device_op_times(json.load(f))
+    rows = device_op_times(json.load(f), _BY_HLO_OP.value)
   total = sum(us for _, _, us in rows)
   print(f"{path}\ndevice time {total / 1e3:.3f} ms in {sum(n for _, n, _ in rows)} ops")
   for name, n, us in rows[:_TOP.value]:

@@ -65,7 +65,7 @@ def test_moe_layer_benchmark_times_every_part(tmp_path):
     assert list((tmp_path / "trace" / part).rglob("*.trace.json.gz")), part
   names = {r["implementation"] for r in records(out)}
   parts = {"routing_part_" + p for p in (
-      "router_logits_bf16x3", "router_logits_f32_highest", "top_k", "sort_by_expert",
+      "router", "top_k", "sort_by_expert",
       "gather_rows_u32", "gather_rows_bf16", "combine")} | {
           "elementwise_" + p for p in ("situ", "situ_sigmoid_form", "add_same_bytes")}
   assert names == {"layer_fwd_xla", "layer_fwd+bwd_xla", "grouped_gemms_xla",
@@ -101,6 +101,9 @@ def test_trace_summary_sums_device_ops_only(tmp_path):
       op(1, "kda_state", 200.0), op(2, "PjitFunction(loss)", 9000.0)])
   assert trace_summary.device_op_times(trace) == [
       ("kda_intra_vjp", 1, 2400.0), ("kda_state", 1, 200.0), ("fusion", 2, 50.0)]
+  trace["traceEvents"][2]["args"] = dict(hlo_module="jit_bwd", hlo_op="mpmd_map.1")
+  assert trace_summary.device_op_times(trace, by_hlo_op=True)[0] == (
+      "kda_intra_vjp  [jit_bwd: mpmd_map.1]", 1, 2400.0)
   nested = tmp_path / "plugins" / "profile" / "run"
   nested.mkdir(parents=True)
   (nested / "vm.trace.json.gz").write_bytes(b"")
