@@ -51,7 +51,14 @@ class GmmConfig:
   "jax": [block_m, block_n]. grid_minor_dim/grid_tile_width order tiles (`plgpu.planar_snake`;
   "jax" always snakes along N with width grid_tile_width). "ws" only: cluster_n = 2 pairs CTAs
   on neighbouring N tiles of the same rows, which load the shared lhs tile once by TMA
-  multicast (a sixth less L2->SMEM traffic per step at 128 x 256 x 64)."""
+  multicast (a sixth less L2->SMEM traffic per step at 128 x 256 x 64).
+  "ws" only: tile_pipeline = True runs a CTA's tiles as one pipeline of pipelines
+  (`emit_pipeline_warp_specialized(pipeline_state=...)`): the memory warpgroup loads the next
+  tile's first stages while the compute warpgroups finish and store the current tile, instead
+  of each tile starting with an empty pipeline (needs K / block_k to be a multiple of
+  max_concurrent_steps, cluster_n = 1); epilogue_rows (None = block_m) stores each warpgroup's
+  tile in slices of that many rows through a smaller SMEM buffer, which makes room for a
+  fourth stage at 128 x 256 x 64."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -60,6 +67,8 @@ class GmmConfig:
   grid_tile_width: int = 1
   kernel: str = "ws"
   cluster_n: int = 1
+  tile_pipeline: bool = False
+  epilogue_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +117,8 @@ def gmm_smem_bytes(cfg: GmmConfig, in_dtype, out_dtype) -> int:
   """Shared memory of one "ws" gmm CTA: pipeline stages + the two epilogue tiles."""
   isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
   stage = (cfg.block_m * cfg.block_k + cfg.block_k * 2 * cfg.block_n) * isz
-  return cfg.max_concurrent_steps * stage + 2 * cfg.block_m * cfg.block_n * osz + _SMEM_RESERVE
+  epilogue = 2 * (cfg.epilogue_rows or cfg.block_m) * cfg.block_n * osz
+  return cfg.max_concurrent_steps * stage + epilogue + _SMEM_RESERVE
 
 
 def tgmm_smem_bytes(cfg: TgmmConfig, in_dtype, out_dtype) -> int:
@@ -246,6 +256,17 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
             " swizzle tile (the warpgroups slice the rhs tile along it)")
   if cfg.kernel == "ws" and gmm_smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
     return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
+  if cfg.kernel == "jax" and (cfg.tile_pipeline or cfg.epilogue_rows):
+    return "tile_pipeline and epilogue_rows are options of the 'ws' kernel"
+  epi = cfg.epilogue_rows or cfg.block_m
+  if cfg.block_m % epi or epi % 8:
+    return (f"epilogue_rows={cfg.epilogue_rows} must divide block_m={cfg.block_m} and be a "
+            "multiple of 8")
+  if cfg.tile_pipeline and (k // cfg.block_k) % cfg.max_concurrent_steps:
+    return (f"tile_pipeline needs K / block_k = {k // cfg.block_k} to be a multiple of "
+            f"max_concurrent_steps={cfg.max_concurrent_steps}")
+  if cfg.tile_pipeline and cfg.cluster_n != 1:
+    return "tile_pipeline runs without clusters (cluster_n=1)"
   return None
 
 
@@ -330,8 +351,9 @@ def _gmm_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int) -> jax.Array:
   """Row tiles aligned to group starts (as CUTLASS grouped GEMM) rounded down to a multiple of
   8 rows (TMA loads into tiled SMEM need 8-aligned rows): tile t of group i loads rows
   [floor8(start_i) + t * block_m, + block_m) (rows past M read as zeros) and stores the ones
-  in [start_i, end_i). Returns int32 [4, grid_m]: group, first row loaded, offset of the
-  first stored row in the tile, rows stored (0 for the unused tail of the grid)."""
+  in [start_i, end_i). Returns int32 [5, grid_m]: group, first row loaded, offset of the
+  first stored row in the tile, rows stored (0 for the unused tail of the grid), and the
+  number of used tiles (the same in every column)."""
   num = sizes_ext.shape[0]
   ends = jnp.cumsum(sizes_ext)
   starts = ends - sizes_ext
@@ -343,7 +365,8 @@ def _gmm_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int) -> jax.Array:
   load0 = aligned[group] + (t - (tile_end - tiles)[group]) * block_m
   first = jnp.maximum(load0, starts[group])
   rows = jnp.where(t < tile_end[-1], jnp.minimum(load0 + block_m, ends[group]) - first, 0)
-  return jnp.stack([group, load0, first - load0, rows]).astype(jnp.int32)
+  used = jnp.broadcast_to(tile_end[-1], t.shape)
+  return jnp.stack([group, load0, first - load0, rows, used]).astype(jnp.int32)
 
 
 def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bool,
@@ -362,7 +385,17 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   transforms = _transforms(bk, lhs.dtype)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
-  def make_pipeline(body, compute_context, row0, n_idx):
+  epi = cfg.epilogue_rows or bm
+  pipeline_states = (
+      # (state, when): one tile alone runs a whole pipeline; otherwise the first tile starts
+      # it, the last one drains it (`emit_pipeline_warp_specialized`'s pipeline of pipelines).
+      (None, lambda i, n: n == 1),
+      (plgpu.PipelinePipeline.START, lambda i, n: (i == 0) & (n > 1)),
+      (plgpu.PipelinePipeline.STEADY, lambda i, n: (i > 0) & (i < n - 1)),
+      (plgpu.PipelinePipeline.STOP, lambda i, n: (i == n - 1) & (n > 1)),
+  )
+
+  def make_pipeline(body, compute_context, row0, n_idx, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k // bk,),
@@ -380,6 +413,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
         num_compute_wgs=2,
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context,
+        pipeline_state=state,
     )
 
   def body(tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
@@ -387,13 +421,16 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     allocs = make_pipeline(ignore, ignore, 0, 0).get_allocations(lhs_gmem, rhs_gmem.at[0])
 
     @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
-                       out_smem=plgpu.SMEM((2, bm, bn), out_dtype), collective_axes="wg")
+                       out_smem=plgpu.SMEM((2, epi, bn), out_dtype), collective_axes="wg")
     def _scope(pipeline_allocs, out_smem):
       wg = lax.axis_index("wg")
+      # A pipeline of pipelines must know each CTA's last tile: it loops over the used tiles
+      # only (all tiles past them are empty), the other mode over the static grid.
+      tiles_m = tiles_gmem[4, 0] if cfg.tile_pipeline else grid_m
 
-      @plgpu.nd_loop((grid_m * grid_n,), collective_axes="cluster_grid")
+      @plgpu.nd_loop((tiles_m * grid_n,), collective_axes="cluster_grid")
       def _tile(loop_info: plgpu.NDLoopInfo):
-        mi, nj = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n),
+        mi, nj = plgpu.planar_snake(loop_info.index[0], (tiles_m, grid_n),
                                     cfg.grid_minor_dim, cfg.grid_tile_width)
         ni = nj * c + lax.axis_index("cluster")
         group = tiles_gmem[0, mi]
@@ -416,24 +453,34 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
             o_smem = out_smem.at[wg]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            acc = acc_ref[...].astype(out_dtype)
+            for lo in range(0, bm, epi):     # epilogue slices of epi rows
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            @pl.when(is_pad)
-            def _():
-              o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+              @pl.when(is_pad)
+              def _():
+                o_smem[...] = jnp.zeros((epi, bn), out_dtype)
 
-            @pl.when(jnp.logical_not(is_pad))
-            def _():
-              o_smem[...] = acc_ref[...].astype(out_dtype)
+              @pl.when(jnp.logical_not(is_pad))
+              def _():
+                o_smem[...] = acc[lo:lo + epi]
 
-            plgpu.commit_smem()
-            _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], offset,
-                        load0 + offset, rows, bm)
+              plgpu.commit_smem()
+              first = jnp.clip(offset, lo, lo + epi)
+              size = jnp.clip(offset + rows, lo, lo + epi) - first
+              _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], first - lo,
+                          load0 + first, size, epi)
 
-        @pl.when(rows > 0)
-        def _():
-          make_pipeline(mma, compute_context, load0, ni)(
+        def run(state):
+          make_pipeline(mma, compute_context, load0, ni, state)(
               lhs_gmem, rhs_gmem.at[jnp.minimum(group, g - 1)], allocations=pipeline_allocs)
+
+        if cfg.tile_pipeline:
+          for state, when in pipeline_states:
+            pl.when(when(loop_info.local_index, loop_info.num_local_steps))(
+                functools.partial(run, state))
+        else:
+          pl.when(rows > 0)(functools.partial(run, None))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

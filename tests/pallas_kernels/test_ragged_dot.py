@@ -62,8 +62,8 @@ def oracle(x, w, ct, sizes):
   return out, dx, dw
 
 
-def inputs(case: str, dtype=jnp.bfloat16):
-  m, sizes = CASES[case]
+def inputs(case: str, dtype=jnp.bfloat16, cases=CASES):
+  m, sizes = cases[case]
   kx, kw, kc = jax.random.split(jax.random.key(len(sizes) + m), 3)
   x = jax.random.normal(kx, (m, K), jnp.float32).astype(dtype)
   w = jax.random.normal(kw, (len(sizes), K, N), jnp.float32).astype(dtype)
@@ -132,6 +132,40 @@ def test_two_cta_clusters():
          mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=tgmm_cfg))
   for name, a, b in zip(("out", "d_lhs", "d_rhs"), got, oracle(x, w, ct, sizes)):
     assert rel_err(a, b) < BF16_TOL, (name, rel_err(a, b))
+
+
+# 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),
+# full 5, three_tiles 3 (one SM runs a single tile, a whole pipeline).
+PIPELINE_CASES = dict(CASES, three_tiles=(80, (40, 32, 8)))
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINE_CASES))
+@pytest.mark.parametrize("epilogue_rows", [None, 16])
+def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
+  """tile_pipeline: each simulated SM runs its tiles as one pipeline of pipelines;
+  epilogue_rows stores each tile in row slices, which cut through partial tiles and group
+  boundaries."""
+  x, w, ct, gs = inputs(case, cases=PIPELINE_CASES)
+  cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
+                             tile_pipeline=True, epilogue_rows=epilogue_rows)
+  sizes = PIPELINE_CASES[case][1]
+  want_out, want_dx, _ = oracle(x, w, ct, sizes)
+  out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
+  d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
+  assert rel_err(out, want_out) < BF16_TOL
+  assert rel_err(d_lhs, want_dx) < BF16_TOL
+  pad = slice(sum(sizes), x.shape[0])
+  assert not np.any(np.asarray(out[pad], np.float32))
+
+
+def test_tile_pipeline_needs_whole_pipelines_per_tile():
+  x, w, _, gs = inputs("full")
+  three = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=3,
+                               tile_pipeline=True)
+  assert "multiple of max_concurrent_steps=3" in mosaic_gpu.supports_gmm(
+      x, w, gs, interpret=True, config=three)
+  odd = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, epilogue_rows=24)
+  assert "epilogue_rows=24" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=odd)
 
 
 def test_jax_example_transposed_kernel_has_no_interpret_mode():
@@ -220,5 +254,26 @@ def test_kernels_lower_for_hopper(monkeypatch, g, m, k, n):
       (lambda a, b, c: mosaic_gpu.tgmm(a, b, c), (s(m, k), s(m, n), gs)),
   ]
   for fn, args in products:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_tile_pipeline_lowers_for_hopper(monkeypatch):
+  """The pipelined-tiles gmm at the k3_small expert shape (K = 512: 8 steps of 64, 4 stages,
+  which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
+  monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda interpret: 132)
+  g, m, k, n = 64, 131072, 512, 1024
+  cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4,
+                             grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True,
+                             epilogue_rows=64)
+  bf16 = jnp.bfloat16
+  assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, bf16)
+  gs = jax.ShapeDtypeStruct((g,), jnp.int32)
+  for fn, args in (
+      (lambda a, b, c: mosaic_gpu.gmm(a, b, c, config=cfg), (s(m, k), s(g, k, n), gs)),
+      (lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True, config=cfg),
+       (s(m, n), s(g, k, n), gs))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -53,6 +53,10 @@ GMM_CONFIGS = [
     mosaic_gpu.GmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
                          grid_tile_width=4),
     mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax"),
+    mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, tile_pipeline=True,
+                         epilogue_rows=64),
+    mosaic_gpu.GmmConfig(block_m=64, block_n=128, max_concurrent_steps=2, grid_minor_dim=1,
+                         grid_tile_width=4, tile_pipeline=True),
 ]
 TGMM_CONFIGS = [
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3),
