@@ -4,11 +4,11 @@ Times, in one process on the same inputs: the whole layer forward (and forward+b
 each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
 default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
 permutations (top-k, the layer's `sort_by_expert`, `dispatch` and `combine`) without the expert
-matmuls, and each of its parts alone (`routing_part_*`; the row gather both as 32-bit words
-and as written); the experts' SiTU on the gate and up
-products (`elementwise_*`: as written, in a sigmoid-only form, and an add of the same bytes);
-the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and a dense bf16 matmul
-of the same FLOPs (the ceiling).
+matmuls (its parts: `--profile_dir` and `trace_summary --by_hlo_op`; alone, each part is
+shorter than JAX's dispatch of a call, which such a timing would measure); the experts' SiTU
+on the gate and up products (`elementwise_*`: as written, in a sigmoid-only form, and an add
+of the same bytes); the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and
+a dense bf16 matmul of the same FLOPs (the ceiling).
 `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
 import functools
@@ -84,23 +84,6 @@ def main(argv):
     return latent_moe.combine(jax.lax.optimization_barrier(rows), wts, order, inverse)
 
   mi = e.moe_intermediate_size
-  kernel_f32 = moe.gate["kernel"][...].astype(jnp.float32)
-  order, inverse, _ = jax.jit(latent_moe.sort_by_expert, static_argnums=1)(
-      experts, e.num_experts)
-  rows_of = order // e.num_experts_per_tok
-  routing_parts = {
-      "router": (lambda xx: latent_moe.route(
-          xx, kernel_f32, moe.gate["e_score_correction_bias"][...], e.num_experts_per_tok, 1.0,
-          True)[:2], x[0]),
-      "top_k": (lambda s: jax.lax.top_k(s, e.num_experts_per_tok),
-                jax.random.uniform(jax.random.key(6), (n, e.num_experts))),
-      "sort_by_expert": (lambda ex: latent_moe.sort_by_expert(ex, e.num_experts), experts),
-      "gather_rows_u32": (latent_moe.take_rows, z, rows_of),
-      "gather_rows_bf16": (lambda zz, r: zz[r], z, rows_of),
-      "combine": (latent_moe.combine, jax.random.normal(
-          jax.random.key(7), (n * e.num_experts_per_tok, lat), jnp.bfloat16), weights, order,
-                  inverse),
-  }
   act = jax.random.normal(jax.random.key(8), (n * e.num_experts_per_tok, 2 * mi), jnp.bfloat16)
   sigmoid_form = lambda y, b: b * (2 * jax.nn.sigmoid(2 * y / b) - 1)
   elementwise = {
@@ -134,8 +117,6 @@ def main(argv):
         w["w2"][...])
   routing = jax.jit(routing_only)
   timings["routing_and_permutation"] = common.time_jax(routing, x[0], z)
-  for name, (fn, *args) in routing_parts.items():
-    timings["routing_part_" + name] = common.time_jax(jax.jit(fn), *args)
   for name, fn in elementwise.items():
     timings["elementwise_" + name] = common.time_jax(jax.jit(fn), act)
   if _PROFILE_DIR.value:
