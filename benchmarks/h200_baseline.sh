@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~2 min: XLA traces of the MoE layer and routing
+#   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
@@ -86,6 +87,10 @@ PY
       timeout 150 python3 -m benchmarks.moe_layer --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe.log | grep " ms"
       ;;
+    moe_gemm)
+      timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \
+        | tee $OUT/moe_gemm.log | grep -E "TFLOP|x torch" | grep -v "xla_ragged\|jax_example"
+      ;;
     moe_trace)
       timeout 200 python3 -m benchmarks.moe_layer --impls=default --out=$OUT/moe_h200.json \
         --profile_dir=/tmp/moe_trace > $OUT/moe_trace.log 2>&1
@@ -108,7 +113,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done
