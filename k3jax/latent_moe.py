@@ -21,6 +21,7 @@ import k3jax  # noqa: F401  (turns off eager sharding before parameters are crea
 from k3jax import norms, params
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
+from k3jax import top_k as top_k_lib
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
@@ -49,7 +50,7 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
     raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
   scores = jax.nn.sigmoid(router_logits(x, router_kernel))
   sel = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
-  _, experts = jax.lax.top_k(sel, top_k)
+  _, experts = top_k_lib.top_k(sel, top_k)
   weights = jnp.take_along_axis(scores, experts, axis=1)
   if norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
