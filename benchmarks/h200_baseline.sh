@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~2 min: XLA traces of the MoE layer and routing
 #   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
+#   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
@@ -87,6 +88,15 @@ PY
       timeout 150 python3 -m benchmarks.moe_layer --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe.log | grep " ms"
       ;;
+    moe_kernels)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider \
+        -n 4 tests/pallas_kernels/test_ragged_dot_gpu.py 2>&1 | tee $OUT/ragged_dot_tests.log | tail -3
+      for set in k3 k3_small; do
+        timeout 150 python3 -m benchmarks.autotune_ragged_dot --quick --shapes=$set \
+          --out=$OUT/autotune_$set.json > $OUT/autotune_$set.log 2>&1
+        grep -A4 "best per shape" $OUT/autotune_$set.log
+      done
+      ;;
     moe_gemm)
       timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe_gemm.log | grep -E "TFLOP|x torch" | grep -v "xla_ragged\|jax_example"
@@ -113,7 +123,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_kernels, moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done
