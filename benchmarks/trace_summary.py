@@ -15,6 +15,7 @@ from absl import app, flags
 
 _TRACE = flags.DEFINE_string("trace", None, "A .trace.json.gz file, or a directory to search.")
 _TOP = flags.DEFINE_integer("top", 30, "Rows to print.")
+_NAME_CHARS = 140   # printed; rows are grouped by the whole name (long CUDA template names)
 _BY_HLO_OP = flags.DEFINE_bool("by_hlo_op", False,
                                "Group by (kernel, HLO module, HLO op): which op of which jit "
                                "each kernel ran for.")
@@ -33,7 +34,7 @@ def find_trace(path: str) -> pathlib.Path:
 
 def device_op_times(trace: dict, by_hlo_op: bool = False) -> list[tuple[str, int, float]]:
   """(op name, calls, total microseconds) on the device timelines, largest total first; with
-  `by_hlo_op` the name also gives the HLO module and op the kernel ran for."""
+  `by_hlo_op` the name is prefixed by the HLO module and op the kernel ran for."""
   events = trace["traceEvents"]
   devices = {e["pid"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -41,10 +42,10 @@ def device_op_times(trace: dict, by_hlo_op: bool = False) -> list[tuple[str, int
   totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   for e in events:
     if e.get("ph") == "X" and e["pid"] in devices:
-      name = e["name"][:80]
+      name = e["name"]
       if by_hlo_op:
         args = e.get("args", {})
-        name += f"  [{args.get('hlo_module', '?')}: {args.get('hlo_op', '?')}]"
+        name = f"[{args.get('hlo_module', '?')}: {args.get('hlo_op', '?')}] {name}"
       totals[name][0] += 1
       totals[name][1] += float(e["dur"])
   return sorted(((name, n, us) for name, (n, us) in totals.items()), key=lambda r: -r[2])
@@ -58,7 +59,8 @@ def main(argv):
   total = sum(us for _, _, us in rows)
   print(f"{path}\ndevice time {total / 1e3:.3f} ms in {sum(n for _, n, _ in rows)} ops")
   for name, n, us in rows[:_TOP.value]:
-    print(f"{us / 1e3:9.3f} ms {100 * us / total:5.1f}% {n:5d}x  {name}")
+    shown = name if len(name) <= _NAME_CHARS else name[:_NAME_CHARS - 3] + "..."
+    print(f"{us / 1e3:9.3f} ms {100 * us / total:5.1f}% {n:5d}x  {shown}")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def test_trace_summary_sums_device_ops_only(tmp_path):
       ("kda_intra_vjp", 1, 2400.0), ("kda_state", 1, 200.0), ("fusion", 2, 50.0)]
   trace["traceEvents"][2]["args"] = dict(hlo_module="jit_bwd", hlo_op="mpmd_map.1")
   assert trace_summary.device_op_times(trace, by_hlo_op=True)[0] == (
-      "kda_intra_vjp  [jit_bwd: mpmd_map.1]", 1, 2400.0)
+      "[jit_bwd: mpmd_map.1] kda_intra_vjp", 1, 2400.0)
   nested = tmp_path / "plugins" / "profile" / "run"
   nested.mkdir(parents=True)
   (nested / "vm.trace.json.gz").write_bytes(b"")
