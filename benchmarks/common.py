@@ -1,8 +1,12 @@
 """Shared timing and record helpers for the side-by-side benchmarks (see BENCHMARKS.md)."""
+import collections
 import datetime
+import gzip
 import json
 import os
+import pathlib
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -35,6 +39,23 @@ def time_jax_once(fn: Callable, *args) -> float:
   """Milliseconds of one call after one warm-up: smoke runs in the interpreter (CI) check that
   a benchmark runs, not its speed."""
   return time_jax(fn, *args, warmup=1, reps=1, calls=1)
+
+
+def device_ms(fn: Callable, *args, reps: int = 20) -> float:
+  """Device milliseconds per call of `fn(*args)`: the summed kernel durations of `reps` calls in
+  an XLA profiler trace. For ops shorter than JAX's dispatch of a call (~0.07 ms), which
+  wall-clock timing (`time_jax`) would measure instead."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(reps):
+        jax.block_until_ready(fn(*args))
+    with gzip.open(find_trace(d)) as f:
+      rows = device_op_times(json.load(f))
+  if not rows:
+    raise RuntimeError("the trace has no device timeline (a CPU run has none): device_ms needs "
+                       "a GPU or TPU")
+  return sum(us for _, _, us in rows) / reps / 1e3
 
 
 def time_torch(fn: Callable, warmup_ms: int = 25, rep_ms: int = 200) -> float:
@@ -74,3 +95,33 @@ def merge_records(path: str, records: list[dict[str, Any]], key_fields: tuple[st
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     json.dump(merged, f, indent=1)
+
+
+def find_trace(path: str) -> pathlib.Path:
+  """The newest *.trace.json.gz at or under `path`."""
+  p = pathlib.Path(path)
+  if p.is_file():
+    return p
+  found = sorted(p.rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)
+  if not found:
+    raise FileNotFoundError(f"no *.trace.json.gz under {path}")
+  return found[-1]
+
+
+def device_op_times(trace: dict, by_hlo_op: bool = False) -> list[tuple[str, int, float]]:
+  """(op name, calls, total microseconds) on the device timelines, largest total first; with
+  `by_hlo_op` the name is prefixed by the HLO module and op the kernel ran for."""
+  events = trace["traceEvents"]
+  devices = {e["pid"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"
+             and e["args"]["name"].startswith("/device:")}
+  totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  for e in events:
+    if e.get("ph") == "X" and e["pid"] in devices:
+      name = e["name"]
+      if by_hlo_op:
+        args = e.get("args", {})
+        name = f"[{args.get('hlo_module', '?')}: {args.get('hlo_op', '?')}] {name}"
+      totals[name][0] += 1
+      totals[name][1] += float(e["dur"])
+  return sorted(((name, n, us) for name, (n, us) in totals.items()), key=lambda r: -r[2])

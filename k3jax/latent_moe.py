@@ -21,7 +21,6 @@ import k3jax  # noqa: F401  (turns off eager sharding before parameters are crea
 from k3jax import norms, params
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
-from k3jax import top_k as top_k_lib
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
@@ -32,13 +31,15 @@ class MoEBias(nnx.Variable):
 
 
 def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
-          routed_scaling_factor: float, norm_topk_prob: bool
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+          routed_scaling_factor: float, norm_topk_prob: bool, *, return_cutoffs: bool = False
+          ) -> tuple[jax.Array, ...]:
   """Sigmoid top-k router with a selection-only bias (Eq. 13).
 
   x [N, d], router_kernel [d, E], bias [E] -> (weights [N, k] fp32, experts [N, k] int32,
   scores [N, E] fp32). Weights come from the unbiased scores, renormalised over the selected
-  experts (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`.
+  experts (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. `return_cutoffs`
+  appends QB's token cutoffs alpha [N] fp32, the (k+1)-th largest s + b (§2.3.3), from the
+  same top-(k+1) as the selection (one sort of [N, E] instead of two; needs k < E).
   """
   if x.ndim != 2 or router_kernel.ndim != 2 or x.shape[1] != router_kernel.shape[0]:
     raise ValueError(f"x must be [N, d] and router_kernel [d, E], got {x.shape} and "
@@ -46,15 +47,19 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
   num_experts = router_kernel.shape[1]
   if bias.shape != (num_experts,):
     raise ValueError(f"bias must have shape ({num_experts},), got {bias.shape}")
-  if not 1 <= top_k <= num_experts:
-    raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+  top = num_experts - 1 if return_cutoffs else num_experts
+  if not 1 <= top_k <= top:
+    raise ValueError(f"top_k must be in [1, {top}]{' with return_cutoffs' * return_cutoffs}, "
+                     f"got {top_k}")
   scores = jax.nn.sigmoid(router_logits(x, router_kernel))
   sel = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
-  _, experts = top_k_lib.top_k(sel, top_k)
+  picked, experts = jax.lax.top_k(sel, top_k + return_cutoffs)
+  experts = experts[:, :top_k].astype(jnp.int32)
   weights = jnp.take_along_axis(scores, experts, axis=1)
   if norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
-  return weights * routed_scaling_factor, experts.astype(jnp.int32), scores
+  out = (weights * routed_scaling_factor, experts, scores)
+  return out + (picked[:, top_k],) if return_cutoffs else out
 
 
 def _split3(a: jax.Array) -> jax.Array:
@@ -163,9 +168,11 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...
   """experts [N, k] -> (order, inverse [N*k] int32, group_sizes [E] int32).
 
   `order` lists the N*k token copies (n k + j) grouped by expert, stably; `inverse` undoes it.
+  The sort keys are the narrowest unsigned type that holds E - 1: a GPU radix sort makes one
+  pass per key byte (int32 keys took 4 passes, ~30 us in the k3_small layer on the H200).
   """
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  key = jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.uint32
+  order = jnp.argsort(experts.reshape(-1).astype(key), stable=True).astype(jnp.int32)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
   return order, inverse, expert_counts(experts, num_experts)
 
@@ -348,9 +355,9 @@ class LatentMoE(nnx.Module):
     bsz, seq, dim = x.shape
     xf = x.reshape(bsz * seq, dim)
     bias = self.gate["e_score_correction_bias"][...]
-    weights, experts, scores = route(
+    weights, experts, scores, cutoffs = route(
         xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
-        self.norm_topk_prob)
+        self.norm_topk_prob, return_cutoffs=True)
     h = xf.astype(self.dtype)
     if self.use_latent:
       h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
@@ -366,7 +373,7 @@ class LatentMoE(nnx.Module):
     y = u.reshape(bsz, seq, dim)
 
     s = jax.lax.stop_gradient(scores)
-    counts, lo, hi = qb.histogram_counts(s, bias, self.top_k, self.qb_num_bins)
+    counts, lo, hi = qb.histogram_counts(s, bias, self.top_k, self.qb_num_bins, cutoffs)
     aux = dict(loads=expert_counts(experts, self.num_experts),
                qb_counts=counts, qb_lo=lo, qb_hi=hi,
                num_tokens=jnp.asarray(bsz * seq, jnp.int32))

@@ -14,8 +14,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from k3jax import top_k as top_k_lib
-
 
 def _check_scores(scores: jax.Array, bias: jax.Array, k: int) -> None:
   if scores.ndim != 2:
@@ -37,7 +35,7 @@ def token_cutoffs(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
   """alpha [m]: the (k+1)-th largest value of s_i + b (QB step 1)."""
   _check_scores(scores, bias, k)
   biased = scores.astype(jnp.float32) + bias.astype(jnp.float32)
-  return top_k_lib.top_k(biased, k + 1)[0][:, k]
+  return jax.lax.top_k(biased, k + 1)[0][:, k]
 
 
 def exact_targets(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
@@ -75,17 +73,24 @@ def histogram_range(bias: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.min(b) - 1.0, jnp.max(b) + 1.0
 
 
-def histogram_counts(scores: jax.Array, bias: jax.Array, k: int,
-                     num_bins: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def histogram_counts(scores: jax.Array, bias: jax.Array, k: int, num_bins: int,
+                     cutoffs: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Histogram of the required bias r = alpha - s per expert (App. D).
 
   Returns (counts [n, num_bins] int32, lo, hi). Counts from different shards or micro-batches
-  routed with the same bias can be summed (psum over DP/EP, sum over grad-accum).
+  routed with the same bias can be summed (psum over DP/EP, sum over grad-accum). `cutoffs`
+  [m]: alpha when the router already has it (`latent_moe.route(..., return_cutoffs=True)`
+  takes one top-(k+1) for both); otherwise `token_cutoffs`.
   """
   if num_bins < 1:
     raise ValueError(f"num_bins must be >= 1, got {num_bins}")
   n = scores.shape[1]
-  alpha = token_cutoffs(scores, bias, k)
+  if cutoffs is None:
+    alpha = token_cutoffs(scores, bias, k)
+  elif cutoffs.shape != scores.shape[:1]:
+    raise ValueError(f"cutoffs must have shape ({scores.shape[0]},), got {cutoffs.shape}")
+  else:
+    alpha = cutoffs.astype(jnp.float32)
   r = alpha[:, None] - scores.astype(jnp.float32)
   lo, hi = histogram_range(bias)
   width = (hi - lo) / num_bins

@@ -68,6 +68,11 @@ def test_route_matches_numpy():
   np.testing.assert_allclose(s, s_ref, rtol=1e-5)
   w_raw, _, _ = lm.route(jnp.asarray(x), jnp.asarray(kern), jnp.asarray(bias), 3, 1.0, False)
   np.testing.assert_allclose(w_raw, np.take_along_axis(s_ref, e_ref, axis=1), rtol=1e-5)
+  *same, alpha = lm.route(jnp.asarray(x), jnp.asarray(kern), jnp.asarray(bias), 3, 2.5, True,
+                         return_cutoffs=True)
+  for a, b in zip(same, (w, e, s)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(alpha, np.sort(s_ref + bias, axis=1)[:, -4], rtol=1e-5)
 
 
 def test_router_logits_bf16_split_matches_fp64():
@@ -107,6 +112,12 @@ def test_expert_counts_and_take_rows():
   experts = rng.integers(0, 9, size=(50, 3)).astype(np.int32)
   np.testing.assert_array_equal(lm.expert_counts(jnp.asarray(experts), 11),
                                 np.bincount(experts.ravel(), minlength=11))
+  for num_experts in (9, 300):   # uint8 and uint16 sort keys
+    ex = rng.integers(0, num_experts, size=(60, 4)).astype(np.int32)
+    order, inverse, sizes = lm.sort_by_expert(jnp.asarray(ex), num_experts)
+    np.testing.assert_array_equal(order, np.argsort(ex.ravel(), kind="stable"))
+    np.testing.assert_array_equal(np.asarray(order)[inverse], np.arange(ex.size))
+    np.testing.assert_array_equal(sizes, np.bincount(ex.ravel(), minlength=num_experts))
   idx = rng.integers(0, 20, size=33).astype(np.int32)
   for dtype, width in ((jnp.bfloat16, 6), (jnp.bfloat16, 5), (jnp.float32, 4)):
     x = jnp.asarray(rng.normal(size=(20, width)), dtype)
@@ -311,6 +322,9 @@ def test_bad_arguments_raise():
     lm.update_bias(jnp.zeros(6), {}, method="quantile_exact", top_k=2)
   with pytest.raises(ValueError, match="bias"):
     lm.route(jnp.zeros((4, 16)), jnp.zeros((16, 6)), jnp.zeros(5), 2, 1.0, True)
+  with pytest.raises(ValueError, match="return_cutoffs"):
+    lm.route(jnp.zeros((4, 16)), jnp.zeros((16, 6)), jnp.zeros(6), 6, 1.0, True,
+             return_cutoffs=True)
   with pytest.raises(ValueError, match="w1"):
     lm.routed_experts(jnp.zeros((4, 8)), jnp.ones((4, 2)), jnp.zeros((4, 2), jnp.int32),
                       jnp.zeros((3, 7, 5)), jnp.zeros((3, 7, 5)), jnp.zeros((3, 5, 7)), B1, B2)

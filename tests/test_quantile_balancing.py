@@ -101,6 +101,16 @@ def test_histogram_counts_match_numpy(hist_case):
   assert np.abs(np.asarray(counts) - expected).sum() <= 4
 
 
+def test_histogram_counts_take_given_cutoffs(hist_case):
+  _, _, k, bins, s, b, counts, lo, hi = hist_case
+  alpha = qb.token_cutoffs(jnp.asarray(s), jnp.asarray(b), k)
+  given = qb.histogram_counts(jnp.asarray(s), jnp.asarray(b), k, bins, alpha)
+  for got, want in zip(given, (counts, lo, hi)):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="cutoffs"):
+    qb.histogram_counts(jnp.asarray(s), jnp.asarray(b), k, bins, alpha[1:])
+
+
 def test_histogram_estimate_within_one_bin_of_exact(hist_case):
   m, n, k, bins, s, b, counts, lo, hi = hist_case
   q = m * k // n

@@ -58,10 +58,7 @@ class GmmConfig:
   of each tile starting with an empty pipeline (needs K / block_k to be a multiple of
   max_concurrent_steps, cluster_n = 1); epilogue_rows (None = block_m) stores each warpgroup's
   tile in slices of that many rows through a smaller SMEM buffer, which makes room for a
-  fourth stage at 128 x 256 x 64.
-  "ws" only: wgmma_in_flight = 1 issues a step's wgmma before waiting for the previous one
-  (`wgmma_wait(1)`; its stage is released a step later, `BlockSpec(delay_release=1)`), so the
-  tensor cores do not idle between steps; not with tile_pipeline."""
+  fourth stage at 128 x 256 x 64."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -72,7 +69,6 @@ class GmmConfig:
   cluster_n: int = 1
   tile_pipeline: bool = False
   epilogue_rows: int | None = None
-  wgmma_in_flight: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,12 +267,6 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
             f"max_concurrent_steps={cfg.max_concurrent_steps}")
   if cfg.tile_pipeline and cfg.cluster_n != 1:
     return "tile_pipeline runs without clusters (cluster_n=1)"
-  if cfg.wgmma_in_flight not in (0, 1):
-    return f"wgmma_in_flight must be 0 or 1, got {cfg.wgmma_in_flight}"
-  if cfg.wgmma_in_flight and (cfg.tile_pipeline or cfg.kernel == "jax"
-                              or cfg.max_concurrent_steps < 2):
-    return ("wgmma_in_flight=1 needs the 'ws' kernel, max_concurrent_steps >= 2 and no "
-            "tile_pipeline (a pipeline of pipelines takes no delayed release)")
   return None
 
 
@@ -412,12 +402,12 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
             plgpu.BlockSpec((pl.Element(bm), bk), lambda ki: (pl.multiple_of(row0, 8), ki),
-                            transforms=transforms, delay_release=cfg.wgmma_in_flight,
+                            transforms=transforms,
                             collective_axes=("cluster",) if c > 1 else ()),
             plgpu.BlockSpec(rhs_block,
                             (lambda ki: (n_idx, ki)) if transpose_rhs
                             else (lambda ki: (ki, n_idx)),
-                            transforms=transforms, delay_release=cfg.wgmma_in_flight),
+                            transforms=transforms),
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -455,15 +445,13 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
           else:
             b = b_smem.at[:, pl.ds(wg * bn, bn)]
           plgpu.wgmma(acc_ref, a_smem, b)
-          plgpu.wgmma_wait(cfg.wgmma_in_flight)
+          plgpu.wgmma_wait(0)
           return acc_ref
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            if cfg.wgmma_in_flight:
-              plgpu.wgmma_wait(0)
             o_smem = out_smem.at[wg]
             acc = acc_ref[...].astype(out_dtype)
             for lo in range(0, bm, epi):     # epilogue slices of epi rows

@@ -158,20 +158,6 @@ def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
   assert not np.any(np.asarray(out[pad], np.float32))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_wgmma_in_flight(case):
-  """wgmma_in_flight=1: each step's wgmma is issued before the previous one is waited for and
-  its stage released a step late; the tile's result must not change."""
-  x, w, ct, gs = inputs(case)
-  cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
-                             wgmma_in_flight=1)
-  sizes = CASES[case][1]
-  want_out, want_dx, _ = oracle(x, w, ct, sizes)
-  assert rel_err(mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg), want_out) < BF16_TOL
-  assert rel_err(mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg),
-                 want_dx) < BF16_TOL
-
-
 def test_tile_pipeline_needs_whole_pipelines_per_tile():
   x, w, _, gs = inputs("full")
   three = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=3,
@@ -180,9 +166,6 @@ def test_tile_pipeline_needs_whole_pipelines_per_tile():
       x, w, gs, interpret=True, config=three)
   odd = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, epilogue_rows=24)
   assert "epilogue_rows=24" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=odd)
-  both = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
-                              tile_pipeline=True, wgmma_in_flight=1)
-  assert "no tile_pipeline" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=both)
 
 
 def test_jax_example_transposed_kernel_has_no_interpret_mode():
@@ -275,26 +258,22 @@ def test_kernels_lower_for_hopper(monkeypatch, g, m, k, n):
     assert "mosaic_gpu" in text
 
 
-def test_gmm_options_lower_for_hopper(monkeypatch):
-  """At the k3_small expert shape, forward and d_lhs lower for CUDA with the pipelined tiles
-  (K = 512: 8 steps of 64, 4 stages beside 64-row epilogue slices) and with one wgmma in
-  flight."""
+def test_tile_pipeline_lowers_for_hopper(monkeypatch):
+  """The pipelined-tiles gmm at the k3_small expert shape (K = 512: 8 steps of 64, 4 stages,
+  which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda interpret: 132)
   g, m, k, n = 64, 131072, 512, 1024
+  cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4,
+                             grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True,
+                             epilogue_rows=64)
   bf16 = jnp.bfloat16
+  assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
   s = lambda *shape: jax.ShapeDtypeStruct(shape, bf16)
   gs = jax.ShapeDtypeStruct((g,), jnp.int32)
-  pipelined = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4,
-                                   grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True,
-                                   epilogue_rows=64)
-  in_flight = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3,
-                                   grid_minor_dim=1, grid_tile_width=4, wgmma_in_flight=1)
-  for cfg in (pipelined, in_flight):
-    assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
-    for fn, args in (
-        (lambda a, b, c: mosaic_gpu.gmm(a, b, c, config=cfg), (s(m, k), s(g, k, n), gs)),
-        (lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True, config=cfg),
-         (s(m, n), s(g, k, n), gs))):
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      assert "mosaic_gpu" in text
+  for fn, args in (
+      (lambda a, b, c: mosaic_gpu.gmm(a, b, c, config=cfg), (s(m, k), s(g, k, n), gs)),
+      (lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True, config=cfg),
+       (s(m, n), s(g, k, n), gs))):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

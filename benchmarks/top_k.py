@@ -1,0 +1,48 @@
+r"""The router's top-k on the device: `jax.lax.top_k` (a sort on the GPU) and the rank form.
+
+Device time per call from an XLA profiler trace (`common.device_ms`; these ops are shorter than
+JAX's dispatch of a call). Rows: "lax" = `jax.lax.top_k`; "ranks" = the same result from ranks
+(rank_i = #{j : x_j > x_i, or x_j == x_i and j < i}, a compare-and-count over [N, E, E], then
+a compare-and-sum over [N, k, E] picks rank r), which XLA runs as one slow reduction (session
+14: 532 against 48 us at 16384 x 64), kept here as the measured reason it is not used.
+`python3 -m benchmarks.top_k --out=$OUT/top_k.json`.
+"""
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from benchmarks import common
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
+_SHAPES = ((16384, 64, 8), (16384, 64, 9), (16384, 896, 16))
+
+
+def rank_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  idx = jnp.arange(x.shape[1], dtype=jnp.int32)
+  ahead = (x[:, None, :] > x[:, :, None]) | (
+      (x[:, None, :] == x[:, :, None]) & (idx[None, None, :] < idx[None, :, None]))
+  rank = jnp.sum(ahead, axis=2, dtype=jnp.int32)
+  pick = rank[:, None, :] == jnp.arange(k)[None, :, None]
+  return (jnp.sum(jnp.where(pick, x[:, None, :], 0), axis=2),
+          jnp.sum(jnp.where(pick, idx, 0), axis=2, dtype=jnp.int32))
+
+
+def main(argv):
+  del argv
+  records = []
+  for n, e, k in _SHAPES:
+    x = jax.random.uniform(jax.random.key(e + k), (n, e), jnp.float32)
+    impls = {"lax": lambda a, k=k: jax.lax.top_k(a, k)}
+    if e <= 128:
+      impls["ranks"] = lambda a, k=k: rank_top_k(a, k)
+    for name, fn in impls.items():
+      ms = common.device_ms(jax.jit(fn), x)
+      print(f"N={n} E={e} k={k} {name:>12s} {1e3 * ms:8.1f} us")
+      records.append(dict(op="top_k", implementation=name, shape=dict(N=n, E=e, k=k),
+                          dtype="float32", median_ms=round(ms, 4), device=common.device_name(),
+                          date=common.today(), **{"pass": "fwd"}))
+  common.merge_records(_OUT.value, records, ("op", "implementation", "shape", "device"))
+
+
+if __name__ == "__main__":
+  app.run(main)
