@@ -10,7 +10,7 @@
 #   bash benchmarks/h200_baseline.sh kda_trace             # ~1 min: XLA trace of fwd+bwd, time per kernel
 #   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
-#   bash benchmarks/h200_baseline.sh moe_trace             # ~3 min: top-k; traces of MoE layer, routing
+#   bash benchmarks/h200_baseline.sh moe_trace             # ~4 min: top-k; traces of MoE layer, routing
 #   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
 #   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
@@ -103,7 +103,9 @@ PY
         | tee $OUT/moe_gemm.log | grep -E "TFLOP|x torch" | grep -v "xla_ragged\|jax_example"
       ;;
     moe_trace)
-      timeout 100 python3 -m benchmarks.top_k --out=$OUT/moe_h200.json 2>&1 | grep " us"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -p no:cacheprovider \
+        tests/pallas_kernels/test_top_k.py 2>&1 | tee $OUT/top_k_tests.log | tail -2
+      timeout 150 python3 -m benchmarks.top_k --out=$OUT/moe_h200.json 2>&1 | grep " us"
       timeout 200 python3 -m benchmarks.moe_layer --impls=default --out=$OUT/moe_h200.json \
         --profile_dir=/tmp/moe_trace > $OUT/moe_trace.log 2>&1
       for part in default routing; do

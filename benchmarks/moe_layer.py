@@ -3,9 +3,12 @@ r"""The Stable LatentMoE layer at k3_small shapes: where its time goes.
 Times, in one process on the same inputs: the whole layer forward (and forward+backward) with
 each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
 default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
-permutations (top-k, the layer's `sort_by_expert`, `dispatch` and `combine`) without the expert
+permutations (router, top-k, QB's histogram, the layer's `sort_by_expert`, `dispatch` and
+`combine`, as in the layer) without the expert
 matmuls (its parts: `--profile_dir` and `trace_summary --by_hlo_op`; alone, each part is
-shorter than JAX's dispatch of a call, which such a timing would measure); the experts' SiTU
+shorter than JAX's dispatch of a call, which such a timing would measure); on a GPU or TPU
+also the device time of routing and of the layer's forward (`*_device`, `common.device_ms`),
+whose ratio is the issue's share; the experts' SiTU
 on the gate and up products (`elementwise_*`: as written, in a sigmoid-only form, and an add
 of the same bytes); the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and
 a dense bf16 matmul of the same FLOPs (the ceiling).
@@ -22,6 +25,7 @@ from flax import nnx
 from benchmarks import common
 from k3jax import config as config_lib
 from k3jax import latent_moe
+from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
 from pallas_kernels import ragged_dot as grouped_matmul
 
@@ -74,14 +78,17 @@ def main(argv):
       1.0, True))(x[0])
 
   def routing_only(xx, zz):
-    wts, ex, _ = latent_moe.route(xx, moe.gate["kernel"][...],
-                                  moe.gate["e_score_correction_bias"][...],
-                                  e.num_experts_per_tok, 1.0, True)
+    bias = moe.gate["e_score_correction_bias"][...]
+    wts, ex, scores, cutoffs = latent_moe.route(
+        xx, moe.gate["kernel"][...], bias, e.num_experts_per_tok, 1.0, True,
+        return_cutoffs=True)
+    qb_stats = qb.histogram_counts(scores, bias, e.num_experts_per_tok, moe.qb_num_bins,
+                                   cutoffs)
     order, inverse, _ = latent_moe.sort_by_expert(ex, e.num_experts)
     rows = latent_moe.dispatch(zz, order, inverse, e.num_experts_per_tok)
     # The barrier keeps the dispatched copies in memory, as the expert matmuls do in the
     # layer; without it XLA fuses dispatch into combine's gather (z[order // k][inverse]).
-    return latent_moe.combine(jax.lax.optimization_barrier(rows), wts, order, inverse)
+    return latent_moe.combine(jax.lax.optimization_barrier(rows), wts, order, inverse), qb_stats
 
   mi = e.moe_intermediate_size
   act = jax.random.normal(jax.random.key(8), (n * e.num_experts_per_tok, 2 * mi), jnp.bfloat16)
@@ -117,6 +124,11 @@ def main(argv):
         w["w2"][...])
   routing = jax.jit(routing_only)
   timings["routing_and_permutation"] = common.time_jax(routing, x[0], z)
+  if jax.devices()[0].platform != "cpu":
+    # Device time (profiler trace), free of the host's dispatch: the share of the issue.
+    timings["routing_and_permutation_device"] = common.device_ms(routing, x[0], z)
+    for impl in _IMPLS.value:
+      timings[f"layer_fwd_{impl}_device"] = common.device_ms(layer_fns(impl)[0], params, x)
   for name, fn in elementwise.items():
     timings["elementwise_" + name] = common.time_jax(jax.jit(fn), act)
   if _PROFILE_DIR.value:
@@ -133,6 +145,11 @@ def main(argv):
                         **{"pass": "fwd+bwd" if "bwd" in name else "fwd"}))
     print(f"{name:>26s} {ms:9.3f} ms" + (f" {tf:7.1f} TFLOP/s" if tf else ""))
   common.merge_records(_OUT.value, records, ("op", "implementation", "config", "tokens", "device"))
+  for impl in _IMPLS.value:
+    if f"layer_fwd_{impl}_device" in timings:
+      share = timings["routing_and_permutation_device"] / timings[f"layer_fwd_{impl}_device"]
+      print(f"routing + permutations: {100 * share:.1f}% of the {impl} layer's forward "
+            "(device time)")
 
 
 if __name__ == "__main__":

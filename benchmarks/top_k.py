@@ -1,10 +1,12 @@
-r"""The router's top-k on the device: `jax.lax.top_k` (a sort on the GPU) and the rank form.
+r"""The router's top-k on the device: `pallas_kernels.top_k` tiers and the rank form.
 
 Device time per call from an XLA profiler trace (`common.device_ms`; these ops are shorter than
-JAX's dispatch of a call). Rows: "lax" = `jax.lax.top_k`; "ranks" = the same result from ranks
-(rank_i = #{j : x_j > x_i, or x_j == x_i and j < i}, a compare-and-count over [N, E, E], then
-a compare-and-sum over [N, k, E] picks rank r), which XLA runs as one slow reduction (session
-14: 532 against 48 us at 16384 x 64), kept here as the measured reason it is not used.
+JAX's dispatch of a call). Rows: "lax" = `jax.lax.top_k` (the xla tier, a sort on the GPU);
+"triton" = our Pallas kernel (`pallas_kernels/top_k/triton.py`); "ranks" = the same result
+from ranks (rank_i = #{j : x_j > x_i, or x_j == x_i and j < i}, a compare-and-count over
+[N, E, E], then a compare-and-sum over [N, k, E] picks rank r), which XLA runs as one slow
+reduction (session 14: 532 against 48 us at 16384 x 64), kept as the measured reason it is not
+used.
 `python3 -m benchmarks.top_k --out=$OUT/top_k.json`.
 """
 import jax
@@ -12,6 +14,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import common
+from pallas_kernels import top_k as top_k_op
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
 _SHAPES = ((16384, 64, 8), (16384, 64, 9), (16384, 896, 16))
@@ -32,7 +35,8 @@ def main(argv):
   records = []
   for n, e, k in _SHAPES:
     x = jax.random.uniform(jax.random.key(e + k), (n, e), jnp.float32)
-    impls = {"lax": lambda a, k=k: jax.lax.top_k(a, k)}
+    impls = {"lax": lambda a, k=k: jax.lax.top_k(a, k),
+             "triton": lambda a, k=k: top_k_op.top_k(a, k, impl="triton")}
     if e <= 128:
       impls["ranks"] = lambda a, k=k: rank_top_k(a, k)
     for name, fn in impls.items():

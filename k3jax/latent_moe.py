@@ -21,6 +21,7 @@ import k3jax  # noqa: F401  (turns off eager sharding before parameters are crea
 from k3jax import norms, params
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
+from pallas_kernels import top_k as top_k_op
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
@@ -39,7 +40,8 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
   scores [N, E] fp32). Weights come from the unbiased scores, renormalised over the selected
   experts (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. `return_cutoffs`
   appends QB's token cutoffs alpha [N] fp32, the (k+1)-th largest s + b (§2.3.3), from the
-  same top-(k+1) as the selection (one sort of [N, E] instead of two; needs k < E).
+  same top-(k+1) as the selection (one top-k of [N, E] instead of two; needs k < E). The
+  top-k is `pallas_kernels.top_k` (on GPUs a Pallas kernel, in place of XLA's sort).
   """
   if x.ndim != 2 or router_kernel.ndim != 2 or x.shape[1] != router_kernel.shape[0]:
     raise ValueError(f"x must be [N, d] and router_kernel [d, E], got {x.shape} and "
@@ -53,7 +55,7 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
                      f"got {top_k}")
   scores = jax.nn.sigmoid(router_logits(x, router_kernel))
   sel = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
-  picked, experts = jax.lax.top_k(sel, top_k + return_cutoffs)
+  picked, experts = top_k_op.top_k(sel, top_k + return_cutoffs)
   experts = experts[:, :top_k].astype(jnp.int32)
   weights = jnp.take_along_axis(scores, experts, axis=1)
   if norm_topk_prob:

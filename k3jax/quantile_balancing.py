@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import top_k as top_k_op
+
 
 def _check_scores(scores: jax.Array, bias: jax.Array, k: int) -> None:
   if scores.ndim != 2:
@@ -35,7 +37,7 @@ def token_cutoffs(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
   """alpha [m]: the (k+1)-th largest value of s_i + b (QB step 1)."""
   _check_scores(scores, bias, k)
   biased = scores.astype(jnp.float32) + bias.astype(jnp.float32)
-  return jax.lax.top_k(biased, k + 1)[0][:, k]
+  return top_k_op.top_k(biased, k + 1)[0][:, k]
 
 
 def exact_targets(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
