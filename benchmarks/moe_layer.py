@@ -64,11 +64,14 @@ def main(argv):
   def layer_fns(impl):
     graph, _, rest = nnx.split(make_moe(impl), nnx.Param, ...)
     def layer(params, x):
-      return nnx.merge(graph, params, rest)(x)[0]
-    # value_and_grad: the layer's output is computed too (under jax.grad alone XLA drops the
-    # last expert matmul's forward, whose output only feeds the loss value).
-    return jax.jit(layer), jax.jit(jax.value_and_grad(
-        lambda p, x: jnp.sum(layer(p, x).astype(jnp.float32)), (0, 1)))
+      return nnx.merge(graph, params, rest)(x)
+    def loss(params, x):
+      y, aux = layer(params, x)
+      return jnp.sum(y.astype(jnp.float32)), aux
+    # Both return the layer's aux (QB's histogram, the loads) as training uses them, so XLA
+    # cannot drop that work; value_and_grad computes the layer's output too (under jax.grad
+    # alone XLA drops the last expert matmul's forward, whose output only feeds the loss).
+    return jax.jit(layer), jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
   lat = e.latent_size or d
   w = moe.experts
