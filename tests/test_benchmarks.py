@@ -88,20 +88,31 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
   assert rec["mfu"] > 0 and rec["total_params"] >= rec["active_params"] > 0
 
 
-def test_trace_summary_sums_device_ops_only(tmp_path):
-  from benchmarks import trace_summary
+def test_trace_parsing_sums_device_ops_only(tmp_path):
+  from benchmarks import common
   meta = lambda pid, name: dict(ph="M", name="process_name", pid=pid, args=dict(name=name))
   op = lambda pid, name, dur: dict(ph="X", pid=pid, tid=1, name=name, ts=0, dur=dur)
   trace = dict(traceEvents=[
       meta(1, "/device:GPU:0"), meta(2, "/host:CPU"),
       op(1, "kda_intra_vjp", 2400.0), op(1, "fusion", 30.0), op(1, "fusion", 20.0),
       op(1, "kda_state", 200.0), op(2, "PjitFunction(loss)", 9000.0)])
-  assert trace_summary.device_op_times(trace) == [
+  assert common.device_op_times(trace) == [
       ("kda_intra_vjp", 1, 2400.0), ("kda_state", 1, 200.0), ("fusion", 2, 50.0)]
   trace["traceEvents"][2]["args"] = dict(hlo_module="jit_bwd", hlo_op="mpmd_map.1")
-  assert trace_summary.device_op_times(trace, by_hlo_op=True)[0] == (
+  assert common.device_op_times(trace, by_hlo_op=True)[0] == (
       "[jit_bwd: mpmd_map.1] kda_intra_vjp", 1, 2400.0)
   nested = tmp_path / "plugins" / "profile" / "run"
   nested.mkdir(parents=True)
   (nested / "vm.trace.json.gz").write_bytes(b"")
-  assert trace_summary.find_trace(str(tmp_path)) == nested / "vm.trace.json.gz"
+  assert common.find_trace(str(tmp_path)) == nested / "vm.trace.json.gz"
+
+
+def test_device_ms_refuses_a_run_without_device_timeline():
+  import jax
+  import jax.numpy as jnp
+  import pytest
+  from benchmarks import common
+  if jax.devices()[0].platform != "cpu":
+    pytest.skip("the refusal is for CPU runs")
+  with pytest.raises(RuntimeError, match="no device timeline"):
+    common.device_ms(jax.jit(lambda a: a + 1), jnp.ones(3), reps=2)
