@@ -7,17 +7,21 @@ from ranks (rank_i = #{j : x_j > x_i, or x_j == x_i and j < i}, a compare-and-co
 [N, E, E], then a compare-and-sum over [N, k, E] picks rank r), which XLA runs as one slow
 reduction (session 14: 532 against 48 us at 16384 x 64), kept as the measured reason it is not
 used.
-`python3 -m benchmarks.top_k --out=$OUT/top_k.json`.
+`python3 -m benchmarks.top_k --out=$OUT/top_k.json`; `--sweep` times the triton tier's row block
+and warp count instead (the source of `triton.default_block_rows` / `default_num_warps`).
 """
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import common
+from pallas_kernels.top_k import triton as top_k_triton
 from pallas_kernels import top_k as top_k_op
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
 _SHAPES = ((16384, 64, 8), (16384, 64, 9), (16384, 896, 16))
+_SWEEP = flags.DEFINE_bool("sweep", False, "Instead: the triton tier's row block and warp "
+                           "count at [16384, 64] k 9 and [16384, 896] k 16 (printed only).")
 
 
 def rank_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -30,8 +34,24 @@ def rank_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
           jnp.sum(jnp.where(pick, idx, 0), axis=2, dtype=jnp.int32))
 
 
+def sweep():
+  for n, e, k in ((16384, 64, 9), (16384, 896, 16)):
+    x = jax.random.uniform(jax.random.key(e + k), (n, e), jnp.float32)
+    default = top_k_triton.default_block_rows(e)
+    for rows in sorted({max(1, default // 4), max(1, default // 2), default, 2 * default,
+                        4 * default}):
+      for warps in (2, 4, 8):
+        fn = jax.jit(lambda a, r=rows, w=warps, k=k: top_k_triton.top_k(
+            a, k, block_rows=r, num_warps=w))
+        print(f"N={n} E={e} k={k} rows={rows} warps={warps} "
+              f"{1e3 * common.device_ms(fn, x):8.1f} us")
+
+
 def main(argv):
   del argv
+  if _SWEEP.value:
+    sweep()
+    return
   records = []
   for n, e, k in _SHAPES:
     x = jax.random.uniform(jax.random.key(e + k), (n, e), jnp.float32)

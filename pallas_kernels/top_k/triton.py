@@ -20,9 +20,8 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_COLS = 1024          # E_pad * R values (keys and taken flags) live in registers
-BLOCK_ELEMENTS = 4096    # R * E_pad per program for the default R
+BLOCK_ELEMENTS = 1024    # R * E_pad per program for the default R
 MAX_BLOCK_ROWS = 256
-NUM_WARPS = 4
 _KEY_MIN = int(jnp.iinfo(jnp.int32).min)
 
 
@@ -33,8 +32,18 @@ def is_gpu() -> bool:
 
 
 def default_block_rows(num_cols: int) -> int:
-  """R for E = num_cols: BLOCK_ELEMENTS // E_pad rows (a power of two), 1 to MAX_BLOCK_ROWS."""
+  """R for E = num_cols: BLOCK_ELEMENTS // E_pad rows (a power of two), 1 to MAX_BLOCK_ROWS.
+
+  H200 sweep (`benchmarks/top_k.py --sweep`): fewer rows per program won at both router
+  widths, R = 16 at E = 64 (8.8 us with 8 warps against 14.6 at R = 64, 4 warps) and R = 1 at
+  E = 896 (171 against 235 us at R = 4).
+  """
   return max(1, min(MAX_BLOCK_ROWS, BLOCK_ELEMENTS // pl.next_power_of_2(num_cols)))
+
+
+def default_num_warps(num_cols: int) -> int:
+  """Warps per program: 8 for rows of up to 128 columns, 4 above (the same sweep)."""
+  return 8 if pl.next_power_of_2(num_cols) <= 128 else 4
 
 
 def supports(x, k: int, *, interpret: bool = False) -> str | None:
@@ -93,7 +102,7 @@ def _kernel(x_ref, values_ref, indices_ref, *, k: int, block_rows: int):
   plgpu_triton.store(indices_ref.at[out], indices, mask=mask)
 
 
-def top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_warps: int = NUM_WARPS,
+def top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """x [N, E] -> (values [N, k] x.dtype, indices [N, k] int32), lax.top_k's result.
 
@@ -105,6 +114,7 @@ def top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_warps: int
     raise ValueError(f"the triton tier does not take this call: {reason}")
   n, e = x.shape
   block_rows = default_block_rows(e) if block_rows is None else block_rows
+  num_warps = default_num_warps(e) if num_warps is None else num_warps
   for name, value in (("block_rows", block_rows), ("num_warps", num_warps)):
     if value < 1 or value & (value - 1):
       raise ValueError(f"{name} must be a power of two >= 1, got {value}")
