@@ -8,9 +8,9 @@ past sum(group_sizes) give zeros. Its backward is two grouped matmuls:
 
 Tiers ("impl"): "xla" (`jax.lax.ragged_dot`, the reference, differentiated by JAX itself),
 "mosaic_gpu" (Hopper Pallas kernels, `mosaic_gpu.py`), "mosaic_tpu" (megablox,
-`mosaic_tpu.py`). impl=None picks mosaic_gpu on H100/H200/H800, mosaic_tpu on TPU, xla
-otherwise. Each product (forward, d_lhs, d_rhs) goes to the first tier of [impl, "xla"] whose
-`supports_*` accepts it (fail closed); `plan(...)` returns the choice and every reason a tier
+`mosaic_tpu.py`). impl=None picks mosaic_gpu on H100/H200/H800 and xla otherwise (mosaic_tpu
+by name only until its tests run on a TPU). Each product (forward, d_lhs, d_rhs) goes to the
+first tier of [impl, "xla"] whose `supports_*` accepts it (fail closed); `plan(...)` returns the choice and every reason a tier
 declined. `interpret=True` runs the kernel tiers in their interpret modes (CPU testing).
 """
 import dataclasses
@@ -42,11 +42,11 @@ class Plan:
 
 
 def default_impls() -> tuple[str, ...]:
-  """Tier order for impl=None on the default device."""
+  """Tier order for impl=None on the default device. A kernel joins it on a platform only
+  after its tests pass there: mosaic_gpu passed on the H200; mosaic_tpu (megablox) has run
+  only in the TPU interpreter, so it is reachable by name only."""
   if mosaic_gpu.is_hopper():
     return ("mosaic_gpu", "xla")
-  if jax.devices()[0].platform == "tpu":
-    return ("mosaic_tpu", "xla")
   return ("xla",)
 
 
