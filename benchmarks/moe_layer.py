@@ -1,17 +1,19 @@
 r"""The Stable LatentMoE layer at k3_small shapes: where its time goes.
 
-Times, in one process on the same inputs: the whole layer forward (and forward+backward) with
-each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the platform's
-default, i.e. our Mosaic GPU kernels on Hopper, and "xla" = `jax.lax.ragged_dot`); routing +
-permutations (router, top-k, QB's histogram, the layer's `sort_by_expert`, `dispatch` and
-`combine`, as in the layer) without the expert
-matmuls (its parts: `--profile_dir` and `trace_summary --by_hlo_op`; alone, each part is
-shorter than JAX's dispatch of a call, which such a timing would measure); on a GPU or TPU
-also the device time of routing and of the layer's forward (`*_device`, `common.device_ms`),
-whose ratio is the issue's share; the experts' SiTU
-on the gate and up products (`elementwise_*`: as written, in a sigmoid-only form, and an add
-of the same bytes); the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`); and
-a dense bf16 matmul of the same FLOPs (the ceiling).
+Times, in one process on the same inputs:
+- the whole layer forward (and forward+backward), returning its aux as training does, with
+  each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the
+  platform's default, i.e. our Mosaic GPU kernels on Hopper, "xla" = `jax.lax.ragged_dot`);
+- routing + permutations (router, top-k, QB's histogram, `sort_by_expert`, `dispatch` and
+  `combine`, as in the layer) without the expert matmuls. Its parts: `--profile_dir` and
+  `trace_summary --by_hlo_op` (alone, each part is shorter than JAX's dispatch of a call,
+  which a wall-clock timing would measure);
+- on a GPU or TPU, the device time of routing and of the layer's forward (`*_device`,
+  `common.device_ms`), whose ratio is the issue's share;
+- the experts' SiTU on the gate and up products (`elementwise_*`: as written, in a
+  sigmoid-only form, and an add of the same bytes);
+- the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`), and a dense bf16
+  matmul of the same FLOPs (the ceiling).
 `python3 -m benchmarks.moe_layer --out=$OUT/moe.json [--impls=default,xla]`.
 """
 import functools
