@@ -116,9 +116,10 @@ def main(argv):
   gemm_flops = 2 * n * e.num_experts_per_tok * lat * mi * 3
   dense_a = jax.random.normal(jax.random.key(4), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
   dense_b = jax.random.normal(jax.random.key(5), (lat, 3 * mi), jnp.bfloat16)
-  timings = {}
+  timings, forwards = {}, {}
   for impl in _IMPLS.value:
     fwd, fwd_bwd = layer_fns(impl)
+    forwards[impl] = fwd
     timings[f"layer_fwd_{impl}"] = common.time_jax(fwd, params, x)
     timings[f"layer_fwd+bwd_{impl}"] = common.time_jax(fwd_bwd, params, x)
     if _PROFILE_DIR.value:
@@ -132,8 +133,8 @@ def main(argv):
   if jax.devices()[0].platform != "cpu":
     # Device time (profiler trace), free of the host's dispatch: the share of the issue.
     timings["routing_and_permutation_device"] = common.device_ms(routing, x[0], z)
-    for impl in _IMPLS.value:
-      timings[f"layer_fwd_{impl}_device"] = common.device_ms(layer_fns(impl)[0], params, x)
+    for impl, fwd in forwards.items():
+      timings[f"layer_fwd_{impl}_device"] = common.device_ms(fwd, params, x)
   for name, fn in elementwise.items():
     timings["elementwise_" + name] = common.time_jax(jax.jit(fn), act)
   if _PROFILE_DIR.value:

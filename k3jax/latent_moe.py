@@ -55,7 +55,7 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
                      f"got {top_k}")
   scores = jax.nn.sigmoid(router_logits(x, router_kernel))
   sel = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
-  picked, experts = top_k_op.top_k(sel, top_k + return_cutoffs)
+  picked, experts = top_k_op.top_k(sel, top_k + 1 if return_cutoffs else top_k)
   experts = experts[:, :top_k].astype(jnp.int32)
   weights = jnp.take_along_axis(scores, experts, axis=1)
   if norm_topk_prob:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tiers
 from pallas_kernels.ragged_dot import mosaic_gpu
 from pallas_kernels.ragged_dot import mosaic_tpu
 from pallas_kernels.ragged_dot import xla
@@ -48,14 +49,6 @@ def default_impls() -> tuple[str, ...]:
   if mosaic_gpu.is_hopper():
     return ("mosaic_gpu", "xla")
   return ("xla",)
-
-
-def _order(impl: str | None) -> tuple[str, ...]:
-  if impl is None:
-    return default_impls()
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
-  return (impl,) if impl == "xla" else (impl, "xla")
 
 
 def _check_floating(name: str, x) -> None:
@@ -109,7 +102,7 @@ def _plan(lhs, rhs, group_sizes, transposed: bool, preferred_element_type, impl:
   tgmm: forward tgmm, d_lhs = gmm(rhs, d_out^T), d_rhs = gmm(lhs, d_out).
   """
   _validate(lhs, rhs, group_sizes, transposed)
-  order = _order(impl)
+  order = tiers.order(impl, IMPLS, default_impls())
   out_dtype = _out_dtype(lhs, rhs, preferred_element_type)
   if transposed:
     cot = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), lhs.dtype)
@@ -118,12 +111,12 @@ def _plan(lhs, rhs, group_sizes, transposed: bool, preferred_element_type, impl:
     cot = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
     products = (("gmm", lhs, rhs), ("gmm", cot, rhs), ("tgmm", lhs, cot))
   declined: list = []
-  tiers = [
+  chosen = [
       _pick(order, product, label, declined, a, b, group_sizes, out_dtype=dtype,
             interpret=interpret, **({"transpose_rhs": True} if label == "d_lhs" else {}))
       for (product, a, b), label, dtype in zip(products, ("forward", "d_lhs", "d_rhs"),
                                                 (out_dtype, lhs.dtype, rhs.dtype))]
-  return Plan(*tiers, tuple(declined), out_dtype, interpret)
+  return Plan(*chosen, tuple(declined), out_dtype, interpret)
 
 
 def plan(lhs, rhs, group_sizes, *, preferred_element_type=None, impl: str | None = None,

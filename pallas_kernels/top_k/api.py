@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tiers
 from pallas_kernels.top_k import triton
 from pallas_kernels.top_k import xla
 
@@ -42,14 +43,6 @@ def default_impls() -> tuple[str, ...]:
   return ("triton", "xla") if triton.is_gpu() else ("xla",)
 
 
-def _order(impl: str | None) -> tuple[str, ...]:
-  if impl is None:
-    return default_impls()
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
-  return (impl,) if impl == "xla" else (impl, "xla")
-
-
 def _validate(x, k) -> None:
   if len(x.shape) != 2:
     raise ValueError(f"x must be 2-D [N, E], got shape {tuple(x.shape)}")
@@ -65,7 +58,7 @@ def plan(x, k: int, *, impl: str | None = None, interpret: bool = False) -> Plan
   """The tier `top_k` would use for x (an array or ShapeDtypeStruct) and k."""
   _validate(x, k)
   declined = []
-  for name in _order(impl):
+  for name in tiers.order(impl, IMPLS, default_impls()):
     reason = TIERS[name].supports(x, int(k), interpret=interpret)
     if reason is None:
       return Plan(name, tuple(declined), interpret)
