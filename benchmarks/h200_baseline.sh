@@ -13,6 +13,8 @@
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~4 min: top-k; traces of MoE layer, routing
 #   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
 #   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
+#   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
+#                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
@@ -114,6 +116,20 @@ PY
         echo "== $part"; python3 -m benchmarks.trace_summary --trace=$OUT/moe_trace_$part.json.gz --top=40 --by_hlo_op
       done
       ;;
+    moe_fused)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 200 \
+        python3 -m pytest -q -p no:cacheprovider -n 2 tests/pallas_kernels/test_moe_gate_up.py \
+        tests/test_latent_moe.py 2>&1 | tee $OUT/moe_gate_up_tests.log | tail -3
+      timeout 120 python3 -m benchmarks.moe_gate_up --out=$OUT/moe_h200.json 2>&1 | grep " ms"
+      rm -rf /tmp/moe_trace    # a warm machine keeps the last call's traces
+      timeout 200 python3 -m benchmarks.moe_layer --impls=default,unfused --out=$OUT/moe_h200.json \
+        --profile_dir=/tmp/moe_trace > $OUT/moe_fused.log 2>&1
+      grep -E " ms|routing \+" $OUT/moe_fused.log
+      for part in default unfused routing; do
+        cp "$(find /tmp/moe_trace/$part -name '*.trace.json.gz' | head -1)" $OUT/moe_trace_$part.json.gz
+        echo "== $part"; python3 -m benchmarks.trace_summary --trace=$OUT/moe_trace_$part.json.gz --top=30 --by_hlo_op
+      done
+      ;;
     train)
       timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
         --config.train.global_batch_size=2 --out=$OUT/train_h200.json 2>&1 \
@@ -129,7 +145,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_kernels, moe_fused, moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done

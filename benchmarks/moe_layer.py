@@ -2,14 +2,18 @@ r"""The Stable LatentMoE layer at k3_small shapes: where its time goes.
 
 Times, in one process on the same inputs:
 - the whole layer forward (and forward+backward), returning its aux as training does, with
-  each grouped-matmul tier of `--impls` (`pallas_kernels.ragged_dot`; "default" = the
-  platform's default, i.e. our Mosaic GPU kernels on Hopper, "xla" = `jax.lax.ragged_dot`);
+  each kernel choice of `--impls`: "default" (the platform's defaults: on Hopper our Mosaic GPU
+  grouped matmuls and the fused gather + W1/W3 + SiTU kernel `pallas_kernels.moe_gate_up`),
+  "unfused" (the default grouped matmuls, dispatch gather and SiTU apart), "xla"
+  (`jax.lax.ragged_dot`, unfused);
 - routing + permutations (router, top-k, QB's histogram, `sort_by_expert`, `dispatch` and
-  `combine`, as in the layer) without the expert matmuls. Its parts: `--profile_dir` and
-  `trace_summary --by_hlo_op` (alone, each part is shorter than JAX's dispatch of a call,
+  `combine`, as in the layer) without the expert matmuls; `routing_fused` is the same without
+  `dispatch`, whose gather the fused kernel does inside its matmul. Its parts: `--profile_dir`
+  and `trace_summary --by_hlo_op` (alone, each part is shorter than JAX's dispatch of a call,
   which a wall-clock timing would measure);
 - on a GPU or TPU, the device time of routing and of the layer's forward (`*_device`,
-  `common.device_ms`), whose ratio is the issue's share;
+  `common.device_ms`), whose ratio is the issue's share (with `routing_fused` for "default"
+  where the fused kernel runs);
 - the experts' SiTU on the gate and up products (`elementwise_*`: as written, in a
   sigmoid-only form, and an add of the same bytes);
 - the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`), and a dense bf16
@@ -29,6 +33,7 @@ from k3jax import config as config_lib
 from k3jax import latent_moe
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
+from pallas_kernels import moe_gate_up
 from pallas_kernels import ragged_dot as grouped_matmul
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_h200.json", "Records (JSON list).")
@@ -38,14 +43,21 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "",
                                    "forward+backward per tier (<dir>/<impl>) and of the routing "
                                    "alone (<dir>/routing), after their timing.")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
-_IMPLS = flags.DEFINE_list("impls", ["default", "xla"],
-                           "Grouped-matmul tiers: default (platform default) or an impl name of "
-                           "pallas_kernels.ragged_dot.")
+_IMPLS = flags.DEFINE_list("impls", ["default", "unfused", "xla"],
+                           "Kernel choices: default (platform defaults), unfused (default grouped "
+                           "matmuls, no fused gate/up kernel) or an impl name of "
+                           "pallas_kernels.ragged_dot (unfused).")
 
 
 def ragged_dot_of(impl: str):
-  """`jax.lax.ragged_dot`-like callable of the named tier."""
-  return functools.partial(grouped_matmul.ragged_dot, impl=None if impl == "default" else impl)
+  """`jax.lax.ragged_dot`-like callable of the named choice."""
+  return functools.partial(grouped_matmul.ragged_dot,
+                           impl=None if impl in ("default", "unfused") else impl)
+
+
+def gate_up_of(impl: str) -> str | None:
+  """`LatentMoE(gate_up_impl=...)` of the named choice: the platform default or unfused."""
+  return None if impl == "default" else "xla"
 
 
 def main(argv):
@@ -58,7 +70,7 @@ def main(argv):
         d, num_experts=e.num_experts, top_k=e.num_experts_per_tok,
         n_shared_experts=e.n_shared_experts, moe_intermediate_size=e.moe_intermediate_size,
         latent_size=e.latent_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-        param_dtype=jnp.bfloat16, ragged_dot=ragged_dot_of(impl))
+        param_dtype=jnp.bfloat16, ragged_dot=ragged_dot_of(impl), gate_up_impl=gate_up_of(impl))
   moe = make_moe("xla")
   x = jax.random.normal(jax.random.key(1), (1, n, d), jnp.bfloat16)
   _, params, _ = nnx.split(moe, nnx.Param, ...)
@@ -82,7 +94,10 @@ def main(argv):
       xx, moe.gate["kernel"][...], moe.gate["e_score_correction_bias"][...], e.num_experts_per_tok,
       1.0, True))(x[0])
 
-  def routing_only(xx, zz):
+  zz_rows = jax.random.normal(jax.random.key(9), (n * e.num_experts_per_tok, e.latent_size or d),
+                              jnp.bfloat16)
+
+  def routing_only(xx, zz, fused=False):
     bias = moe.gate["e_score_correction_bias"][...]
     wts, ex, scores, cutoffs = latent_moe.route(
         xx, moe.gate["kernel"][...], bias, e.num_experts_per_tok, 1.0, True,
@@ -90,10 +105,14 @@ def main(argv):
     qb_stats = qb.histogram_counts(scores, bias, e.num_experts_per_tok, moe.qb_num_bins,
                                    cutoffs)
     order, inverse, _ = latent_moe.sort_by_expert(ex, e.num_experts)
-    rows = latent_moe.dispatch(zz, order, inverse, e.num_experts_per_tok)
+    if fused:    # the expert outputs: any [N k, l] array in memory (here the copies' inputs)
+      rows = zz_rows
+    else:
+      rows = latent_moe.dispatch(zz, order, inverse, e.num_experts_per_tok)
     # The barrier keeps the dispatched copies in memory, as the expert matmuls do in the
     # layer; without it XLA fuses dispatch into combine's gather (z[order // k][inverse]).
-    return latent_moe.combine(jax.lax.optimization_barrier(rows), wts, order, inverse), qb_stats
+    out = latent_moe.combine(jax.lax.optimization_barrier(rows), wts, order, inverse)
+    return out.astype(zz.dtype), qb_stats
 
   mi = e.moe_intermediate_size
   act = jax.random.normal(jax.random.key(8), (n * e.num_experts_per_tok, 2 * mi), jnp.bfloat16)
@@ -129,10 +148,12 @@ def main(argv):
         jax.jit(functools.partial(gemms, impl=impl)), rows, w["w1"][...], w["w3"][...],
         w["w2"][...])
   routing = jax.jit(routing_only)
+  routing_fused = jax.jit(functools.partial(routing_only, fused=True))
   timings["routing_and_permutation"] = common.time_jax(routing, x[0], z)
   if jax.devices()[0].platform != "cpu":
     # Device time (profiler trace), free of the host's dispatch: the share of the issue.
     timings["routing_and_permutation_device"] = common.device_ms(routing, x[0], z)
+    timings["routing_fused_device"] = common.device_ms(routing_fused, x[0], z)
     for impl, fwd in forwards.items():
       timings[f"layer_fwd_{impl}_device"] = common.device_ms(fwd, params, x)
   for name, fn in elementwise.items():
@@ -153,9 +174,12 @@ def main(argv):
   common.merge_records(_OUT.value, records, ("op", "implementation", "config", "tokens", "device"))
   for impl in _IMPLS.value:
     if f"layer_fwd_{impl}_device" in timings:
-      share = timings["routing_and_permutation_device"] / timings[f"layer_fwd_{impl}_device"]
+      fused = moe_gate_up.plan(z, z[:, 0].astype(jnp.int32), w["w1"][...], w["w3"][...],
+                               sizes, impl=gate_up_of(impl)).impl != "xla"
+      routing_ms = timings["routing_fused_device" if fused else "routing_and_permutation_device"]
+      share = routing_ms / timings[f"layer_fwd_{impl}_device"]
       print(f"routing + permutations: {100 * share:.1f}% of the {impl} layer's forward "
-            "(device time)")
+            f"(device time{', dispatch fused into the gate/up kernel' if fused else ''})")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ _CHOICES = {
     "data.source": ("default", "memmap", "array_record"),
     "kernels.kda_impl": ("", "reference", "chunked", "mosaic_gpu", "mosaic_tpu"),
     "kernels.ragged_dot_impl": ("", "xla", "mosaic_gpu", "mosaic_tpu"),
+    "kernels.gate_up_impl": ("", "xla", "triton"),
 }
 
 

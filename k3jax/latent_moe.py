@@ -8,8 +8,10 @@
 
 The bias b (`e_score_correction_bias`) only selects experts, never weights them, and is set by
 Quantile Balancing (`k3jax.quantile_balancing`) after each optimizer step. Dispatch is dropless:
-token copies are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`).
+token copies are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`); on
+Hopper GPUs the gather, the W1/W3 matmul and SiTU run as one kernel (`fused_gate_up`).
 """
+import dataclasses
 import functools
 from typing import Callable
 
@@ -21,6 +23,7 @@ import k3jax  # noqa: F401  (turns off eager sharding before parameters are crea
 from k3jax import norms, params
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
+from pallas_kernels import moe_gate_up
 from pallas_kernels import top_k as top_k_op
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -126,16 +129,18 @@ router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
                    w3: jax.Array, w2: jax.Array, beta1: float, beta2: float,
-                   ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
+                   ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
+                   interpret: bool = False) -> jax.Array:
   """Dropless routed SiTU-GLU experts: u = sum_j p_j * W2_j[SiTU(W1_j z, W3_j z)] (Eq. 11).
 
   z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
-  The N*k token copies are stably sorted by expert, gathered, and run through grouped
-  matmuls (`expert_ffn`);
+  The N*k token copies are stably sorted by expert and run through grouped matmuls;
   `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be replaced by a
-  grouped-matmul kernel. The routing weight is applied after W2 (late routing
-  weights); copies are un-permuted and summed over k in fp32 (no capacity, no drop).
-  `dispatch` and `combine` are the permutations, with gather-only VJPs.
+  grouped-matmul kernel. The first product is `fused_gate_up` (gather + W1/W3 + SiTU in one
+  kernel) when `pallas_kernels.moe_gate_up` picks a kernel tier for `gate_up_impl` (None: the
+  platform default), else `dispatch` + `expert_ffn`. The routing weight is applied after W2
+  (late routing weights); copies are un-permuted and summed over k in fp32 (no capacity, no
+  drop). `dispatch` and `combine` are the permutations, with gather-only VJPs.
   """
   n_tok, lat = z.shape
   num_experts = w1.shape[0]
@@ -148,9 +153,63 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
                      f"{w3.shape}, {w2.shape}")
   top_k = experts.shape[1]
   order, inverse, group_sizes = sort_by_expert(experts, num_experts)
-  xs = dispatch(z, order, inverse, top_k)
-  out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
+  tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
+                          interpret=interpret).impl
+  if tier == "xla":
+    xs = dispatch(z, order, inverse, top_k)
+    out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
+  else:
+    spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret)
+    out = ragged_dot(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
+                     group_sizes)
   return combine(out, weights, order, inverse).astype(z.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateUpSpec:
+  """The static arguments of `fused_gate_up`: the kernel tier and the backward's ragged_dot."""
+  top_k: int
+  beta1: float
+  beta2: float
+  ragged_dot: RaggedDot
+  impl: str
+  interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def fused_gate_up(z: jax.Array, order: jax.Array, inverse: jax.Array, w1: jax.Array,
+                  w3: jax.Array, group_sizes: jax.Array, spec: GateUpSpec) -> jax.Array:
+  """h [N*k, m] = SiTU(xs W1_e, xs W3_e) for the copies xs = dispatch(z, order, ...) in expert
+  order (Eq. 11), by `pallas_kernels.moe_gate_up` (the copies are gathered inside the kernel,
+  never written). VJP: the forward also keeps the kernel's gate and up; the backward gathers
+  xs again for W1/W3's gradient (as the unfused path's residual would hold them), runs
+  SiTU's VJP and spec.ragged_dot's, and returns dz as `dispatch`'s gather-only VJP does."""
+  return moe_gate_up.gate_up(z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1,
+                             beta2=spec.beta2, impl=spec.impl, interpret=spec.interpret)
+
+
+def _fused_gate_up_fwd(z, order, inverse, w1, w3, group_sizes, spec):
+  h, gate_up = moe_gate_up.gate_up(
+      z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1, beta2=spec.beta2,
+      return_gate_up=True, impl=spec.impl, interpret=spec.interpret)
+  return h, (z, order, inverse, w1, w3, group_sizes, gate_up)
+
+
+def _fused_gate_up_bwd(spec, residuals, d_h):
+  z, order, inverse, w1, w3, group_sizes, gate_up = residuals
+  width = w1.shape[2]
+  _, situ_vjp = jax.vjp(
+      lambda gu: situ_lib.situ(gu[:, :width], gu[:, width:], spec.beta1, spec.beta2), gate_up)
+  (d_gate_up,) = situ_vjp(d_h.astype(gate_up.dtype))
+  xs = take_rows(z, order // spec.top_k)
+  _, matmul_vjp = jax.vjp(lambda a, b: spec.ragged_dot(a, b, group_sizes), xs,
+                          jnp.concatenate([w1, w3], axis=2))
+  d_xs, d_w13 = matmul_vjp(d_gate_up)
+  d_z = _dispatch_bwd(spec.top_k, inverse, d_xs)[0]
+  return d_z, None, None, d_w13[..., :width], d_w13[..., width:], None
+
+
+fused_gate_up.defvjp(_fused_gate_up_fwd, _fused_gate_up_bwd)
 
 
 def expert_ffn(xs: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
@@ -296,6 +355,8 @@ class LatentMoE(nnx.Module):
   routed experts act on x directly, with no down/up projection and no routed RMSNorm, and
   their d-sized axis is named "embed" instead of "latent".
   The shared experts are one SiTU-GLU MLP of width n_shared_experts * moe_intermediate_size.
+  ragged_dot: the grouped matmul; gate_up_impl: the tier of `pallas_kernels.moe_gate_up` for
+  the fused gather + W1/W3 + SiTU ("xla": unfused; None: the platform's default).
   """
 
   def __init__(self, dim: int, *, num_experts: int, top_k: int, n_shared_experts: int,
@@ -303,8 +364,8 @@ class LatentMoE(nnx.Module):
                routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True,
                beta1: float = 4.0, beta2: float = 25.0, rms_norm_eps: float = 1e-5,
                qb_num_bins: int = 1000, qb_keep_scores: bool = False,
-               ragged_dot: RaggedDot = jax.lax.ragged_dot, rngs: nnx.Rngs,
-               dtype=jnp.float32, param_dtype=jnp.float32):
+               ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
+               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
     if not 1 <= top_k < num_experts:
       raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "
                        f"(Quantile Balancing takes top-(k+1)), got {top_k}")
@@ -317,7 +378,7 @@ class LatentMoE(nnx.Module):
     self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
     self.beta1, self.beta2 = beta1, beta2
     self.qb_num_bins, self.qb_keep_scores = qb_num_bins, qb_keep_scores
-    self.ragged_dot = ragged_dot
+    self.ragged_dot, self.gate_up_impl = ragged_dot, gate_up_impl
     self.dtype = dtype
     self.use_latent = latent_size not in (0, dim)
     lat = latent_size if self.use_latent else dim
@@ -366,7 +427,7 @@ class LatentMoE(nnx.Module):
     u = routed_experts(
         h, weights, experts, self.experts["w1"][...].astype(self.dtype),
         self.experts["w3"][...].astype(self.dtype), self.experts["w2"][...].astype(self.dtype),
-        self.beta1, self.beta2, self.ragged_dot)
+        self.beta1, self.beta2, self.ragged_dot, self.gate_up_impl)
     if self.use_latent:
       u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
           self.dtype)

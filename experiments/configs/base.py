@@ -63,6 +63,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn = c.kernels = ml_collections.ConfigDict()
   kn.kda_impl = ""  # "": best available for the platform
   kn.ragged_dot_impl = ""
+  kn.gate_up_impl = ""  # MoE gather + W1/W3 + SiTU: "" best available, "xla" unfused
 
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000

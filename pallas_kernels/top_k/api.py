@@ -14,7 +14,6 @@ The kernel tier is meant for selection (the router applies it to stop_gradient'e
 a custom JVP makes it a drop-in replacement: the value tangent is x's tangent at the picked
 indices (so the cotangent is scattered back to them), as lax.top_k's.
 """
-import dataclasses
 import functools
 import types
 
@@ -28,14 +27,7 @@ from pallas_kernels.top_k import xla
 
 IMPLS = ("xla", "triton")
 TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton}
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """The tier that runs one call and the (tier, reason) of each tier that declined it."""
-  impl: str
-  declined: tuple[tuple[str, str], ...]
-  interpret: bool
+Plan = tiers.Plan
 
 
 def default_impls() -> tuple[str, ...]:
@@ -57,13 +49,9 @@ def _validate(x, k) -> None:
 def plan(x, k: int, *, impl: str | None = None, interpret: bool = False) -> Plan:
   """The tier `top_k` would use for x (an array or ShapeDtypeStruct) and k."""
   _validate(x, k)
-  declined = []
-  for name in tiers.order(impl, IMPLS, default_impls()):
-    reason = TIERS[name].supports(x, int(k), interpret=interpret)
-    if reason is None:
-      return Plan(name, tuple(declined), interpret)
-    declined.append((name, reason))
-  raise AssertionError("the xla tier takes every call")
+  return tiers.first_supported(
+      tiers.order(impl, IMPLS, default_impls()),
+      lambda name: TIERS[name].supports(x, int(k), interpret=interpret), interpret)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
