@@ -180,48 +180,49 @@ class GateUpSpec:
 def fused_gate_up(z: jax.Array, order: jax.Array, inverse: jax.Array, w1: jax.Array,
                   w3: jax.Array, group_sizes: jax.Array, spec: GateUpSpec) -> jax.Array:
   """h [N*k, m] = SiTU(xs W1_e, xs W3_e) for the copies xs = dispatch(z, order, ...) in expert
-  order (Eq. 11), by `pallas_kernels.moe_gate_up` (the copies are gathered inside the kernel,
-  never written). VJP: the forward also keeps the kernel's gate and up; the backward gathers
-  xs again for W1/W3's gradient (as the unfused path's residual would hold them), runs
-  SiTU's VJP and spec.ragged_dot's, and returns dz as `dispatch`'s gather-only VJP does."""
+  order (Eq. 11), by `pallas_kernels.moe_gate_up`: the copies are gathered inside the kernel,
+  never written.
+
+  Under differentiation the forward runs the unfused path instead (`dispatch`, then
+  `expert_gate_up`) and the backward is its VJP. Measured on the H200 at k3_small, the
+  layer's forward+backward took 0.1 ms longer with the kernel keeping gate/up for the
+  backward (0.41 against 0.36 ms for the kernel, and XLA then recomputes SiTU's tanh terms in
+  a separate pass) than with the unfused forward, whose SiTU pass leaves them to the backward.
+  """
   return moe_gate_up.gate_up(z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1,
                              beta2=spec.beta2, impl=spec.impl, interpret=spec.interpret)
 
 
 def _fused_gate_up_fwd(z, order, inverse, w1, w3, group_sizes, spec):
-  h, gate_up = moe_gate_up.gate_up(
-      z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1, beta2=spec.beta2,
-      return_gate_up=True, impl=spec.impl, interpret=spec.interpret)
-  return h, (z, order, inverse, w1, w3, group_sizes, gate_up)
+  def unfused(z, w1, w3):
+    xs = dispatch(z, order, inverse, spec.top_k)
+    return expert_gate_up(xs, w1, w3, group_sizes, spec.beta1, spec.beta2, spec.ragged_dot)
+  return jax.vjp(unfused, z, w1, w3)
 
 
-def _fused_gate_up_bwd(spec, residuals, d_h):
-  z, order, inverse, w1, w3, group_sizes, gate_up = residuals
-  width = w1.shape[2]
-  _, situ_vjp = jax.vjp(
-      lambda gu: situ_lib.situ(gu[:, :width], gu[:, width:], spec.beta1, spec.beta2), gate_up)
-  (d_gate_up,) = situ_vjp(d_h.astype(gate_up.dtype))
-  xs = take_rows(z, order // spec.top_k)
-  _, matmul_vjp = jax.vjp(lambda a, b: spec.ragged_dot(a, b, group_sizes), xs,
-                          jnp.concatenate([w1, w3], axis=2))
-  d_xs, d_w13 = matmul_vjp(d_gate_up)
-  d_z = _dispatch_bwd(spec.top_k, inverse, d_xs)[0]
-  return d_z, None, None, d_w13[..., :width], d_w13[..., width:], None
+def _fused_gate_up_bwd(spec, unfused_vjp, d_h):
+  del spec
+  d_z, d_w1, d_w3 = unfused_vjp(d_h)
+  return d_z, None, None, d_w1, d_w3, None
 
 
 fused_gate_up.defvjp(_fused_gate_up_fwd, _fused_gate_up_bwd)
 
 
+def expert_gate_up(xs: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array,
+                   beta1: float, beta2: float,
+                   ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
+  """SiTU(xs W1, xs W3) on rows grouped by expert: xs [M, l] -> h [M, m] (Eq. 11); W1 and W3
+  run as one grouped matmul on [W1 | W3] [E, l, 2m]."""
+  gate_up = ragged_dot(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)
+  return situ_lib.situ_gate_up(gate_up, beta1, beta2)
+
+
 def expert_ffn(xs: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
                group_sizes: jax.Array, beta1: float, beta2: float,
                ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
-  """The experts' SiTU-GLU on rows grouped by expert: xs [M, l] -> [M, l] (Eq. 11).
-
-  W1 and W3 run as one grouped matmul on [W1 | W3] [E, l, 2m], then W2.
-  """
-  width = w1.shape[2]
-  gate_up = ragged_dot(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)
-  h = situ_lib.situ(gate_up[:, :width], gate_up[:, width:], beta1, beta2)
+  """The experts' SiTU-GLU on rows grouped by expert: xs [M, l] -> [M, l] (Eq. 11)."""
+  h = expert_gate_up(xs, w1, w3, group_sizes, beta1, beta2, ragged_dot)
   return ragged_dot(h, w2, group_sizes)
 
 

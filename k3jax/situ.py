@@ -1,4 +1,6 @@
 """SiTU-GLU, the bounded gated FFN of Stable LatentMoE (report §2.3, k3_techniques.md §4)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,6 +14,41 @@ def situ(gate: jax.Array, up: jax.Array, beta1: float, beta2: float) -> jax.Arra
   u = up.astype(jnp.float32)
   out = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g) * (beta2 * jnp.tanh(u / beta2))
   return out.astype(gate.dtype)
+
+
+def _situ_grads(gate, up, d_out, beta1, beta2):
+  """With a = b1 tanh(g/b1) s, s = sigmoid(g), b = b2 tanh(u/b2):
+  d gate = d b (a' = (1 - tanh^2(g/b1)) s + a (1 - s)),  d up = d a (1 - tanh^2(u/b2))."""
+  g, u, d = (v.astype(jnp.float32) for v in (gate, up, d_out))
+  tg, tu, s = jnp.tanh(g / beta1), jnp.tanh(u / beta2), jax.nn.sigmoid(g)
+  a = beta1 * tg * s
+  d_gate = d * (beta2 * tu) * ((1 - tg * tg) * s + a * (1 - s))
+  d_up = d * a * (1 - tu * tu)
+  return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def situ_gate_up(gate_up: jax.Array, beta1: float, beta2: float) -> jax.Array:
+  """`situ` of a fused [gate | up] product [..., 2F] -> [..., F].
+
+  The VJP writes [d gate | d up] as one concatenation; JAX's VJP of the two slices pads each
+  gradient to [..., 2F] and adds them, a second full pass (H200, k3_small experts: 0.36 ms).
+  """
+  width = gate_up.shape[-1] // 2
+  return situ(gate_up[..., :width], gate_up[..., width:], beta1, beta2)
+
+
+def _situ_gate_up_fwd(gate_up, beta1, beta2):
+  return situ_gate_up(gate_up, beta1, beta2), gate_up
+
+
+def _situ_gate_up_bwd(beta1, beta2, gate_up, d_out):
+  width = gate_up.shape[-1] // 2
+  grads = _situ_grads(gate_up[..., :width], gate_up[..., width:], d_out, beta1, beta2)
+  return (jnp.concatenate(grads, axis=-1),)
+
+
+situ_gate_up.defvjp(_situ_gate_up_fwd, _situ_gate_up_bwd)
 
 
 class SiTUGLU(nnx.Module):

@@ -5,16 +5,17 @@
 h [M, F] = SiTU(x[rows] @ W1_g, x[rows] @ W3_g) for the rows of group g (rows sorted by group,
 as `jax.lax.ragged_dot`), in x's dtype, from fp32 products; rows past sum(group_sizes) give
 zeros. `return_gate_up=True` also returns the products gate_up [M, 2F] (gate | up, x's dtype),
-what the backward needs. In the MoE, rows = order // top_k gathers each routed copy's token, so
-the dispatched copies [M, K] are never written to HBM.
+what a backward would need. In the MoE, rows = order // top_k gathers each routed copy's token,
+so the dispatched copies [M, K] are never written to HBM.
 
 Tiers ("impl"): "xla" (gather, `jax.lax.ragged_dot`, SiTU: the reference) and "triton" (one
 Pallas kernel on the Triton backend, `triton.py`). impl=None tries triton then xla on Hopper
 GPUs, where its tests passed, and xla elsewhere; a call the kernel declines runs on xla (fail
 closed). `plan(...)` returns the tier and every reason a tier declined.
 
-A forward op: `k3jax.latent_moe` gives it its VJP (the backward's grouped matmuls run on
-`pallas_kernels.ragged_dot`).
+A forward op, not differentiable. `k3jax.latent_moe.fused_gate_up` runs it for the layer's
+forward and, under differentiation, runs the unfused forward and its VJP instead: on the H200
+that trains faster than this kernel with return_gate_up (see there).
 """
 import types
 

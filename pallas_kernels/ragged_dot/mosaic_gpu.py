@@ -361,7 +361,10 @@ def _gmm_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int) -> jax.Array:
   tiles = jnp.where(sizes_ext > 0, (ends - aligned + block_m - 1) // block_m, 0)
   tile_end = jnp.cumsum(tiles)
   t = jnp.arange(grid_m, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num - 1).astype(jnp.int32)
+  # compare_all: one fused compare-and-sum; the default method is a loop, which XLA runs as
+  # a while loop of small kernels (~7 per gmm call in the k3_small MoE layer's trace).
+  group = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
+  group = jnp.minimum(group, num - 1).astype(jnp.int32)
   load0 = aligned[group] + (t - (tile_end - tiles)[group]) * block_m
   first = jnp.maximum(load0, starts[group])
   rows = jnp.where(t < tile_end[-1], jnp.minimum(load0 + block_m, ends[group]) - first, 0)
