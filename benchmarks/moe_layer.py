@@ -94,8 +94,9 @@ def main(argv):
       xx, moe.gate["kernel"][...], moe.gate["e_score_correction_bias"][...], e.num_experts_per_tok,
       1.0, True))(x[0])
 
-  zz_rows = jax.random.normal(jax.random.key(9), (n * e.num_experts_per_tok, e.latent_size or d),
-                              jnp.bfloat16)
+  # With the fused kernel, combine reads the expert outputs: any [N k, l] array in memory.
+  expert_out = jax.random.normal(jax.random.key(9), (n * e.num_experts_per_tok, lat),
+                                 jnp.bfloat16)
 
   def routing_only(xx, zz, fused=False):
     bias = moe.gate["e_score_correction_bias"][...]
@@ -105,8 +106,8 @@ def main(argv):
     qb_stats = qb.histogram_counts(scores, bias, e.num_experts_per_tok, moe.qb_num_bins,
                                    cutoffs)
     order, inverse, _ = latent_moe.sort_by_expert(ex, e.num_experts)
-    if fused:    # the expert outputs: any [N k, l] array in memory (here the copies' inputs)
-      rows = zz_rows
+    if fused:
+      rows = expert_out
     else:
       rows = latent_moe.dispatch(zz, order, inverse, e.num_experts_per_tok)
     # The barrier keeps the dispatched copies in memory, as the expert matmuls do in the

@@ -167,7 +167,8 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
 
 @dataclasses.dataclass(frozen=True)
 class GateUpSpec:
-  """The static arguments of `fused_gate_up`: the kernel tier and the backward's ragged_dot."""
+  """The static arguments of `fused_gate_up`: the kernel tier, and the grouped matmul of the
+  unfused forward it runs under differentiation."""
   top_k: int
   beta1: float
   beta2: float
