@@ -8,7 +8,7 @@ pallas_kernels/ragged_dot/mosaic_gpu.py.
 
   python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small|toy] [--out=...]
 
---quick: the first shape and a short list (23 configs, about a minute). --shapes: the K3
+--quick: the first shape and a short list (17 configs, about a minute). --shapes: the K3
 expert shapes (default) or k3_small's (G 64, 16384 tokens x top-8 rows, K = N = 512 and the
 fused gate/up N = 1024) or "toy" (G 2, 256 rows, K = N = 256). --interpret: run the kernels in
 the Mosaic GPU interpreter (CPU; with --shapes=toy, the test that keeps the script working).
@@ -53,9 +53,6 @@ def full_sweep(product: str) -> list:
                      grid_tile_width=t, tile_pipeline=True, epilogue_rows=e)
            for bn in (128, 64) for s in (2, 4) for e in (None, 64, 32)
            for d, t in GRID_ORDERS]
-    ws += [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
-                     grid_tile_width=t, cluster_n=c, wg_split="m")
-           for bn in (128, 64) for s in (3, 4, 5) for d, t in GRID_ORDERS for c in (1, 2)]
     ex = [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                     kernel="jax")
           for bn in (128, 192) for s in (4, 5) for t in (1, 8)]
@@ -64,8 +61,7 @@ def full_sweep(product: str) -> list:
 
 def quick_sweep(product: str) -> list:
   """A short list around the heuristic table's choice, and for gmm the pipelined tiles (4
-  stages beside 64-row epilogue slices, or 2 stages) and the row split between the compute
-  warpgroups (`wg_split="m"`)."""
+  stages beside 64-row epilogue slices, or 2 stages)."""
   if product == "d_rhs":
     return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
                        grid_tile_width=t)
@@ -76,10 +72,7 @@ def quick_sweep(product: str) -> list:
               GmmConfig(block_m=128, block_n=128, max_concurrent_steps=s, grid_minor_dim=d,
                         grid_tile_width=t, tile_pipeline=True,
                         epilogue_rows=64 if s == 4 else None)
-              for s in (4, 2) for d, t in ((1, 4), (0, 8))] + [
-              GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                        grid_tile_width=t, wg_split="m")
-              for d, t in ((1, 4), (1, 2), (0, 8))]
+              for s in (4, 2) for d, t in ((1, 4), (0, 8))]
 
 
 def product_fn(product: str, cfg, interpret: bool):

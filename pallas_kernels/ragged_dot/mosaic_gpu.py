@@ -58,14 +58,7 @@ class GmmConfig:
   of each tile starting with an empty pipeline (needs K / block_k to be a multiple of
   max_concurrent_steps, cluster_n = 1); epilogue_rows (None = block_m) stores each warpgroup's
   tile in slices of that many rows through a smaller SMEM buffer, which makes room for a
-  fourth stage at 128 x 256 x 64.
-  "ws" only: wg_split picks how the two compute warpgroups share the [block_m, 2 * block_n]
-  tile: "n" (each takes block_n columns and all rows: two m64 wgmma per k16 step, each reading
-  the rhs slice again) or "m" (each takes block_m / 2 = 64 rows and all 2 * block_n columns: one
-  m64 n(2 block_n) wgmma per k16 step, as CUTLASS's cooperative schedule). At 128 x 256 x 64,
-  "n" reads 24 KiB of SMEM per 2^20 FLOPs for the tensor cores and "m" 20 KiB; with the TMA
-  writes that is ~143 against ~127 B/clk per SM at the dense bf16 peak, whose SMEM port gives
-  128 B/clk. "m" is NOT yet timed on a GPU (written in session 15 after the last device call)."""
+  fourth stage at 128 x 256 x 64."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -76,7 +69,6 @@ class GmmConfig:
   cluster_n: int = 1
   tile_pipeline: bool = False
   epilogue_rows: int | None = None
-  wg_split: str = "n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +113,11 @@ def _swizzle_elems(dtype) -> int:
   return 128 // jnp.dtype(dtype).itemsize
 
 
-def _wg_tile(cfg: GmmConfig) -> tuple[int, int]:
-  """(rows, columns) of one compute warpgroup's part of a "ws" gmm CTA tile."""
-  if cfg.wg_split == "m":
-    return cfg.block_m // 2, 2 * cfg.block_n
-  return cfg.block_m, cfg.block_n
-
-
 def gmm_smem_bytes(cfg: GmmConfig, in_dtype, out_dtype) -> int:
   """Shared memory of one "ws" gmm CTA: pipeline stages + the two epilogue tiles."""
   isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
   stage = (cfg.block_m * cfg.block_k + cfg.block_k * 2 * cfg.block_n) * isz
-  wg_rows, wg_cols = _wg_tile(cfg)
-  epilogue = 2 * (cfg.epilogue_rows or wg_rows) * wg_cols * osz
+  epilogue = 2 * (cfg.epilogue_rows or cfg.block_m) * cfg.block_n * osz
   return cfg.max_concurrent_steps * stage + epilogue + _SMEM_RESERVE
 
 
@@ -274,16 +258,10 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
     return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
   if cfg.kernel == "jax" and (cfg.tile_pipeline or cfg.epilogue_rows):
     return "tile_pipeline and epilogue_rows are options of the 'ws' kernel"
-  if cfg.wg_split not in ("n", "m"):
-    return f"wg_split must be 'n' or 'm', got {cfg.wg_split!r}"
-  if cfg.wg_split == "m" and (cfg.kernel != "ws" or cfg.block_m != 128 or cta_n > 256):
-    return ("wg_split='m' (the 'ws' kernel) needs block_m = 128 (64 rows per warpgroup, "
-            f"wgmma's M) and 2 * block_n <= 256 (wgmma's largest N), got {cfg}")
-  wg_rows = _wg_tile(cfg)[0]
-  epi = cfg.epilogue_rows or wg_rows
-  if wg_rows % epi or epi % 8:
-    return (f"epilogue_rows={cfg.epilogue_rows} must divide a warpgroup's {wg_rows} rows and "
-            "be a multiple of 8")
+  epi = cfg.epilogue_rows or cfg.block_m
+  if cfg.block_m % epi or epi % 8:
+    return (f"epilogue_rows={cfg.epilogue_rows} must divide block_m={cfg.block_m} and be a "
+            "multiple of 8")
   if cfg.tile_pipeline and (k // cfg.block_k) % cfg.max_concurrent_steps:
     return (f"tile_pipeline needs K / block_k = {k // cfg.block_k} to be a multiple of "
             f"max_concurrent_steps={cfg.max_concurrent_steps}")
@@ -410,8 +388,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   transforms = _transforms(bk, lhs.dtype)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
-  wg_rows, wg_cols = _wg_tile(cfg)
-  epi = cfg.epilogue_rows or wg_rows
+  epi = cfg.epilogue_rows or bm
   pipeline_states = (
       # (state, when): one tile alone runs a whole pipeline; otherwise the first tile starts
       # it, the last one drains it (`emit_pipeline_warp_specialized`'s pipeline of pipelines).
@@ -447,8 +424,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     allocs = make_pipeline(ignore, ignore, 0, 0).get_allocations(lhs_gmem, rhs_gmem.at[0])
 
     @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
-                       out_smem=plgpu.SMEM((2, epi, wg_cols), out_dtype),
-                       collective_axes="wg")
+                       out_smem=plgpu.SMEM((2, epi, bn), out_dtype), collective_axes="wg")
     def _scope(pipeline_allocs, out_smem):
       wg = lax.axis_index("wg")
       # A pipeline of pipelines must know each CTA's last tile: it loops over the used tiles
@@ -466,47 +442,37 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
         rows = tiles_gmem[3, mi]
         is_pad = group == g
 
-        # The warpgroup's part of the tile: rows [row0, + wg_rows), columns [col0, + wg_cols).
-        row0 = wg * wg_rows if cfg.wg_split == "m" else 0
-        col0 = 0 if cfg.wg_split == "m" else wg * bn
-
         def mma(_, a_smem, b_smem, acc_ref):
-          if cfg.wg_split == "m":
-            a = a_smem.at[pl.ds(row0, wg_rows)]
-            b = b_smem.transpose((1, 0)) if transpose_rhs else b_smem
+          if transpose_rhs:
+            b = b_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0))
           else:
-            a = a_smem
-            if transpose_rhs:
-              b = b_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0))
-            else:
-              b = b_smem.at[:, pl.ds(wg * bn, bn)]
-          plgpu.wgmma(acc_ref, a, b)
+            b = b_smem.at[:, pl.ds(wg * bn, bn)]
+          plgpu.wgmma(acc_ref, a_smem, b)
           plgpu.wgmma_wait(0)
           return acc_ref
 
         def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((wg_rows, wg_cols), jnp.float32))
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
             o_smem = out_smem.at[wg]
             acc = acc_ref[...].astype(out_dtype)
-            for lo in range(0, wg_rows, epi):     # epilogue slices of epi rows
+            for lo in range(0, bm, epi):     # epilogue slices of epi rows
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
               @pl.when(is_pad)
               def _():
-                o_smem[...] = jnp.zeros((epi, wg_cols), out_dtype)
+                o_smem[...] = jnp.zeros((epi, bn), out_dtype)
 
               @pl.when(jnp.logical_not(is_pad))
               def _():
                 o_smem[...] = acc[lo:lo + epi]
 
               plgpu.commit_smem()
-              first = jnp.clip(offset, row0 + lo, row0 + lo + epi)
-              size = jnp.clip(offset + rows, row0 + lo, row0 + lo + epi) - first
-              _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + col0, wg_cols)],
-                          first - row0 - lo, load0 + first, size, epi)
+              first = jnp.clip(offset, lo, lo + epi)
+              size = jnp.clip(offset + rows, lo, lo + epi) - first
+              _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], first - lo,
+                          load0 + first, size, epi)
 
         def run(state):
           make_pipeline(mma, compute_context, load0, ni, state)(

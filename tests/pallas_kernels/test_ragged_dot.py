@@ -145,15 +145,10 @@ def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
   """tile_pipeline: each simulated SM runs its tiles as one pipeline of pipelines;
   epilogue_rows stores each tile in row slices, which cut through partial tiles and group
   boundaries."""
-  check_gmm_config(case, PIPELINE_CASES, mosaic_gpu.GmmConfig(
-      block_m=64, block_n=64, max_concurrent_steps=2, tile_pipeline=True,
-      epilogue_rows=epilogue_rows))
-
-
-def check_gmm_config(case: str, cases: dict, cfg: mosaic_gpu.GmmConfig) -> None:
-  """gmm's forward and d_lhs with `cfg` in interpret mode against the oracle; zero padding."""
-  x, w, ct, gs = inputs(case, cases=cases)
-  sizes = cases[case][1]
+  x, w, ct, gs = inputs(case, cases=PIPELINE_CASES)
+  cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
+                             tile_pipeline=True, epilogue_rows=epilogue_rows)
+  sizes = PIPELINE_CASES[case][1]
   want_out, want_dx, _ = oracle(x, w, ct, sizes)
   out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
   d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
@@ -161,30 +156,6 @@ def check_gmm_config(case: str, cases: dict, cfg: mosaic_gpu.GmmConfig) -> None:
   assert rel_err(d_lhs, want_dx) < BF16_TOL
   pad = slice(sum(sizes), x.shape[0])
   assert not np.any(np.asarray(out[pad], np.float32))
-
-
-# 128-row tiles: groups of 130 and 100 rows end tiles in the first and the second warpgroup's
-# 64 rows; 400 rows make 6 tiles over the 2 simulated SMs.
-ROW_SPLIT_CASES = dict(CASES, many=(400, (37, 130, 1, 100, 60, 0, 72)))
-
-
-@pytest.mark.parametrize("case", sorted(ROW_SPLIT_CASES))
-@pytest.mark.parametrize("epilogue_rows,tile_pipeline", [(None, False), (32, False),
-                                                         (None, True)])
-def test_rows_split_between_warpgroups(case, epilogue_rows, tile_pipeline):
-  """wg_split="m": each compute warpgroup owns 64 rows of the 128-row tile and all its
-  columns; partial tiles end in either warpgroup's rows or before the second one's."""
-  check_gmm_config(case, ROW_SPLIT_CASES, mosaic_gpu.GmmConfig(
-      block_m=128, block_n=64, max_concurrent_steps=2, wg_split="m",
-      epilogue_rows=epilogue_rows, tile_pipeline=tile_pipeline))
-
-
-def test_rows_split_needs_128_row_tiles():
-  x, w, _, gs = inputs("full")
-  cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, wg_split="m")
-  assert "block_m = 128" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=cfg)
-  cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=64, wg_split="k")
-  assert "wg_split must be" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=cfg)
 
 
 def test_tile_pipeline_needs_whole_pipelines_per_tile():
@@ -287,19 +258,15 @@ def test_kernels_lower_for_hopper(monkeypatch, g, m, k, n):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("cfg", [
-    mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
-                         grid_tile_width=4, tile_pipeline=True, epilogue_rows=64),
-    mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=1,
-                         grid_tile_width=4, wg_split="m"),
-], ids=["tile_pipeline", "wg_split_m"])
-def test_gmm_options_lower_for_hopper(monkeypatch, cfg):
-  """The pipelined-tiles gmm (K = 512: 8 steps of 64, 4 stages, which fit beside 64-row
-  epilogue slices) and the row split between warpgroups (one m64 n256 wgmma per step) lower for
-  CUDA at the k3_small expert shape, forward and d_lhs."""
+def test_tile_pipeline_lowers_for_hopper(monkeypatch):
+  """The pipelined-tiles gmm at the k3_small expert shape (K = 512: 8 steps of 64, 4 stages,
+  which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda interpret: 132)
   g, m, k, n = 64, 131072, 512, 1024
+  cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4,
+                             grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True,
+                             epilogue_rows=64)
   bf16 = jnp.bfloat16
   assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
   s = lambda *shape: jax.ShapeDtypeStruct(shape, bf16)

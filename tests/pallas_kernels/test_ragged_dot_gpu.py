@@ -1,7 +1,7 @@
 """Grouped matmul Mosaic GPU kernels on a Hopper GPU (skipped elsewhere) against XLA in fp32.
 
-Both kernel families ("ws": ours, with each option, "jax": JAX's ragged_dot_mgpu /
-transposed_ragged_dot_mgpu) for the forward, d_lhs and d_rhs products, with empty and one-row groups, group starts off
+Both kernel families ("ws": ours, "jax": JAX's ragged_dot_mgpu / transposed_ragged_dot_mgpu)
+for the forward, d_lhs and d_rhs products, with empty and one-row groups, group starts off
 the 8-row alignment and rows past sum(group_sizes); then the K3 expert shapes.
 """
 import jax
@@ -57,8 +57,6 @@ GMM_CONFIGS = [
                          epilogue_rows=64),
     mosaic_gpu.GmmConfig(block_m=64, block_n=128, max_concurrent_steps=2, grid_minor_dim=1,
                          grid_tile_width=4, tile_pipeline=True),
-    mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=1,
-                         grid_tile_width=4, wg_split="m"),
 ]
 TGMM_CONFIGS = [
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3),
