@@ -209,8 +209,8 @@ def fused_case(dtype=jnp.bfloat16):
 def test_fused_gate_up_matches_unfused_path():
   """routed_experts with the fused kernel (interpreted) against dispatch + expert_ffn, bf16:
   the forward alone runs the kernel (ragged_dot is called once, for W2) and matches within 1%
-  (relative L2); under differentiation the forward is the unfused path's, so the output and
-  every gradient through the custom VJP equal the unfused path's."""
+  (relative L2); under differentiation (also under jax.checkpoint) the forward is the unfused
+  path's, so the output and every gradient through the custom VJP equal the unfused path's."""
   arrs, experts = fused_case()
   names = ("z", "weights", "w1", "w3", "w2")
   calls = []
@@ -243,6 +243,10 @@ def test_fused_gate_up_matches_unfused_path():
   for name, g, g_ref in zip(names, grads, grads_ref):
     np.testing.assert_array_equal(g, g_ref, err_msg=name)
   assert not np.asarray(grads[2][4]).any()      # the idle expert gets no gradient
+  remat = jax.jit(jax.grad(jax.checkpoint(lambda *a: loss("triton", *a)[0]),
+                           argnums=range(5)))(*args)       # model.remat = "full"
+  for name, g, g_ref in zip(names, remat, grads_ref):
+    np.testing.assert_array_equal(g, g_ref, err_msg=name)
 
 
 def test_routed_path_uses_situ_bound():
