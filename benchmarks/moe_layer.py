@@ -175,8 +175,9 @@ def main(argv):
   common.merge_records(_OUT.value, records, ("op", "implementation", "config", "tokens", "device"))
   for impl in _IMPLS.value:
     if f"layer_fwd_{impl}_device" in timings:
-      fused = moe_gate_up.plan(z, z[:, 0].astype(jnp.int32), w["w1"][...], w["w3"][...],
-                               sizes, impl=gate_up_of(impl)).impl != "xla"
+      copies = jax.ShapeDtypeStruct((n * e.num_experts_per_tok,), jnp.int32)
+      fused = moe_gate_up.plan(z, copies, w["w1"][...], w["w3"][...], sizes,
+                               impl=gate_up_of(impl)).impl != "xla"
       routing_ms = timings["routing_fused_device" if fused else "routing_and_permutation_device"]
       share = routing_ms / timings[f"layer_fwd_{impl}_device"]
       print(f"routing + permutations: {100 * share:.1f}% of the {impl} layer's forward "

@@ -79,24 +79,6 @@ def supports(x, rows, w1, w3, group_sizes, *, interpret: bool = False,
   return None
 
 
-def _tiles(sizes_ext: jax.Array, block_m: int, grid_m: int) -> jax.Array:
-  """int32 [3, grid_m]: (group, first row, rows) of each row tile; tiles start at each group's
-  first row; tiles past the last one hold 0 rows."""
-  num = sizes_ext.shape[0]
-  ends = jnp.cumsum(sizes_ext)
-  starts = ends - sizes_ext
-  count = (sizes_ext + block_m - 1) // block_m
-  tile_end = jnp.cumsum(count)
-  t = jnp.arange(grid_m, dtype=jnp.int32)
-  # compare_all: one fused compare-and-sum; the default method is a loop, which XLA runs as
-  # a while loop of small kernels (~7 per gmm call in the k3_small MoE layer's trace).
-  group = jnp.searchsorted(tile_end, t, side="right", method="compare_all")
-  group = jnp.minimum(group, num - 1).astype(jnp.int32)
-  first = starts[group] + (t - (tile_end - count)[group]) * block_m
-  rows = jnp.where(t < tile_end[-1], jnp.minimum(first + block_m, ends[group]) - first, 0)
-  return jnp.stack([group, first, rows]).astype(jnp.int32)
-
-
 def _situ(gate, up, beta1: float, beta2: float, tanh):
   """SiTU (k3jax.situ) through tanh only: b1 tanh(g/b1) (1 + tanh(g/2))/2 * b2 tanh(u/b2)."""
   return (beta1 * tanh(gate * (1.0 / beta1)) * (0.5 + 0.5 * tanh(0.5 * gate))
@@ -109,7 +91,8 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *gu_ref, cfg: Con
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   num_groups, k, f = w1_ref.shape
   j, t = pl.program_id(0), pl.program_id(1)
-  group, first, count = tiles_ref[0, t], tiles_ref[1, t], tiles_ref[2, t]
+  # `mosaic_gpu.row_tiles` with align=1: a tile's first stored row is its first row.
+  group, first, count = tiles_ref[0, t], tiles_ref[1, t], tiles_ref[3, t]
   valid = jnp.arange(bm) < count
   out_rows = pl.ds(first, bm)
 
@@ -168,5 +151,6 @@ def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
                                                   num_stages=cfg.num_stages),
       interpret=interpret,
       name="moe_gate_up",
-  )(_tiles(sizes_ext, cfg.block_m, grid_m), rows.astype(jnp.int32), x, w1, w3)
+  )(mosaic_gpu.row_tiles(sizes_ext, cfg.block_m, grid_m, align=1), rows.astype(jnp.int32),
+    x, w1, w3)
   return tuple(out) if return_gate_up else out[0]

@@ -347,17 +347,17 @@ def _store_rows(o_smem, o_gmem, smem_start, gmem_start, size, max_rows: int):
     gmem_start += size & rows
 
 
-def _gmm_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int) -> jax.Array:
+def row_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int, align: int = 8) -> jax.Array:
   """Row tiles aligned to group starts (as CUTLASS grouped GEMM) rounded down to a multiple of
-  8 rows (TMA loads into tiled SMEM need 8-aligned rows): tile t of group i loads rows
-  [floor8(start_i) + t * block_m, + block_m) (rows past M read as zeros) and stores the ones
-  in [start_i, end_i). Returns int32 [5, grid_m]: group, first row loaded, offset of the
-  first stored row in the tile, rows stored (0 for the unused tail of the grid), and the
-  number of used tiles (the same in every column)."""
+  `align` rows (TMA loads into tiled SMEM need 8-aligned rows; 1 for loads without TMA): tile t
+  of group i loads rows [floor_align(start_i) + t * block_m, + block_m) (rows past M read as
+  zeros) and stores the ones in [start_i, end_i). Returns int32 [5, grid_m]: group, first row
+  loaded, offset of the first stored row in the tile, rows stored (0 for the unused tail of
+  the grid), and the number of used tiles (the same in every column)."""
   num = sizes_ext.shape[0]
   ends = jnp.cumsum(sizes_ext)
   starts = ends - sizes_ext
-  aligned = starts // 8 * 8
+  aligned = starts // align * align
   tiles = jnp.where(sizes_ext > 0, (ends - aligned + block_m - 1) // block_m, 0)
   tile_end = jnp.cumsum(tiles)
   t = jnp.arange(grid_m, dtype=jnp.int32)
@@ -384,7 +384,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   grid_m = pl.cdiv(m + 7 * (g + 1), bm) + g + 1   # >= the tiles of the G + 1 row groups
   c = cfg.cluster_n
   grid_n = n // cta_n // c          # in clusters of c neighbouring N tiles
-  tiles = _gmm_tiles(sizes_ext, bm, grid_m)
+  tiles = row_tiles(sizes_ext, bm, grid_m)
   transforms = _transforms(bk, lhs.dtype)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
