@@ -23,6 +23,7 @@ _CHOICES = {
     "kernels.kda_impl": ("", "reference", "chunked", "mosaic_gpu", "mosaic_tpu"),
     "kernels.ragged_dot_impl": ("", "xla", "mosaic_gpu", "mosaic_tpu"),
     "kernels.gate_up_impl": ("", "xla", "triton"),
+    "kernels.gate_up_train": ("unfused", "kernel"),
 }
 
 

@@ -130,7 +130,7 @@ router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
                    w3: jax.Array, w2: jax.Array, beta1: float, beta2: float,
                    ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
-                   interpret: bool = False) -> jax.Array:
+                   gate_up_train: str = "unfused", interpret: bool = False) -> jax.Array:
   """Dropless routed SiTU-GLU experts: u = sum_j p_j * W2_j[SiTU(W1_j z, W3_j z)] (Eq. 11).
 
   z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
@@ -138,7 +138,8 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
   `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be replaced by a
   grouped-matmul kernel. The first product is `fused_gate_up` (gather + W1/W3 + SiTU in one
   kernel) when `pallas_kernels.moe_gate_up` picks a kernel tier for `gate_up_impl` (None: the
-  platform default), else `dispatch` + `expert_ffn`. The routing weight is applied after W2
+  platform default), else `dispatch` + `expert_ffn`; gate_up_train picks its backward
+  (`GATE_UP_TRAIN`, see `fused_gate_up`). The routing weight is applied after W2
   (late routing weights); copies are un-permuted and summed over k in fp32 (no capacity, no
   drop). `dispatch` and `combine` are the permutations, with gather-only VJPs.
   """
@@ -151,6 +152,8 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
       or w2.shape != (num_experts, w1.shape[2], lat)):
     raise ValueError(f"expected w1, w3 [E, {lat}, m] and w2 [E, m, {lat}], got {w1.shape}, "
                      f"{w3.shape}, {w2.shape}")
+  if gate_up_train not in GATE_UP_TRAIN:
+    raise ValueError(f"gate_up_train must be one of {GATE_UP_TRAIN}, got {gate_up_train!r}")
   top_k = experts.shape[1]
   order, inverse, group_sizes = sort_by_expert(experts, num_experts)
   tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
@@ -159,22 +162,26 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
     xs = dispatch(z, order, inverse, top_k)
     out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
   else:
-    spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret)
+    spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret, gate_up_train)
     out = ragged_dot(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
                      group_sizes)
   return combine(out, weights, order, inverse).astype(z.dtype)
 
 
+GATE_UP_TRAIN = ("unfused", "kernel")
+
+
 @dataclasses.dataclass(frozen=True)
 class GateUpSpec:
-  """The static arguments of `fused_gate_up`: the kernel tier, and the grouped matmul of the
-  unfused forward it runs under differentiation."""
+  """The static arguments of `fused_gate_up`: the kernel tier, the grouped matmul of the
+  backward (and of the unfused forward), and how it trains (one of GATE_UP_TRAIN)."""
   top_k: int
   beta1: float
   beta2: float
   ragged_dot: RaggedDot
   impl: str
   interpret: bool
+  train: str = "unfused"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -184,26 +191,45 @@ def fused_gate_up(z: jax.Array, order: jax.Array, inverse: jax.Array, w1: jax.Ar
   order (Eq. 11), by `pallas_kernels.moe_gate_up`: the copies are gathered inside the kernel,
   never written.
 
-  Under differentiation the forward runs the unfused path instead (`dispatch`, then
-  `expert_gate_up`) and the backward is its VJP. Measured on the H200 at k3_small, the
-  layer's forward+backward took 0.1 ms longer with the kernel keeping gate/up for the
-  backward (0.41 against 0.36 ms for the kernel, and XLA then recomputes SiTU's tanh terms in
-  a separate pass) than with the unfused forward, whose SiTU pass leaves them to the backward.
+  Under differentiation, spec.train = "unfused": the forward runs the unfused path instead
+  (`dispatch`, then `expert_gate_up`) and the backward is its VJP. Measured on the H200 at
+  k3_small, the layer's forward+backward took 0.1 ms longer with the kernel keeping gate/up
+  for the backward (0.41 against 0.36 ms for the kernel, and XLA then recomputes SiTU's tanh
+  terms in a separate pass) than with the unfused forward, whose SiTU pass leaves them to the
+  backward. spec.train = "kernel": the kernel also writes SiTU's partial derivatives
+  [dh/d gate | dh/d up], and the backward is one multiply (d [gate | up]), a regather of the
+  copies and the grouped matmul's VJP; no transcendentals in the backward.
   """
   return moe_gate_up.gate_up(z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1,
                              beta2=spec.beta2, impl=spec.impl, interpret=spec.interpret)
 
 
 def _fused_gate_up_fwd(z, order, inverse, w1, w3, group_sizes, spec):
+  if spec.train == "kernel":
+    h, partials = moe_gate_up.gate_up(
+        z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1, beta2=spec.beta2,
+        return_situ_grads=True, impl=spec.impl, interpret=spec.interpret)
+    return h, (z, order, inverse, w1, w3, group_sizes, partials)
+
   def unfused(z, w1, w3):
     xs = dispatch(z, order, inverse, spec.top_k)
     return expert_gate_up(xs, w1, w3, group_sizes, spec.beta1, spec.beta2, spec.ragged_dot)
   return jax.vjp(unfused, z, w1, w3)
 
 
-def _fused_gate_up_bwd(spec, unfused_vjp, d_h):
-  del spec
-  d_z, d_w1, d_w3 = unfused_vjp(d_h)
+def _fused_gate_up_bwd(spec, res, d_h):
+  if spec.train == "unfused":
+    d_z, d_w1, d_w3 = res(d_h)
+    return d_z, None, None, d_w1, d_w3, None
+  z, order, inverse, w1, w3, group_sizes, partials = res
+  d_h2 = jnp.concatenate([d_h, d_h], axis=1).astype(jnp.float32)
+  d_gate_up = (partials.astype(jnp.float32) * d_h2).astype(partials.dtype)
+
+  def gate_up_product(z, w1, w3):
+    xs = dispatch(z, order, inverse, spec.top_k)
+    return spec.ragged_dot(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)
+  _, product_vjp = jax.vjp(gate_up_product, z, w1, w3)
+  d_z, d_w1, d_w3 = product_vjp(d_gate_up)
   return d_z, None, None, d_w1, d_w3, None
 
 
@@ -358,7 +384,8 @@ class LatentMoE(nnx.Module):
   their d-sized axis is named "embed" instead of "latent".
   The shared experts are one SiTU-GLU MLP of width n_shared_experts * moe_intermediate_size.
   ragged_dot: the grouped matmul; gate_up_impl: the tier of `pallas_kernels.moe_gate_up` for
-  the fused gather + W1/W3 + SiTU ("xla": unfused; None: the platform's default).
+  the fused gather + W1/W3 + SiTU ("xla": unfused; None: the platform's default);
+  gate_up_train: how that kernel trains (`GATE_UP_TRAIN`, `fused_gate_up`).
   """
 
   def __init__(self, dim: int, *, num_experts: int, top_k: int, n_shared_experts: int,
@@ -367,7 +394,8 @@ class LatentMoE(nnx.Module):
                beta1: float = 4.0, beta2: float = 25.0, rms_norm_eps: float = 1e-5,
                qb_num_bins: int = 1000, qb_keep_scores: bool = False,
                ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
-               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+               gate_up_train: str = "unfused", rngs: nnx.Rngs, dtype=jnp.float32,
+               param_dtype=jnp.float32):
     if not 1 <= top_k < num_experts:
       raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "
                        f"(Quantile Balancing takes top-(k+1)), got {top_k}")
@@ -380,7 +408,10 @@ class LatentMoE(nnx.Module):
     self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
     self.beta1, self.beta2 = beta1, beta2
     self.qb_num_bins, self.qb_keep_scores = qb_num_bins, qb_keep_scores
+    if gate_up_train not in GATE_UP_TRAIN:
+      raise ValueError(f"gate_up_train must be one of {GATE_UP_TRAIN}, got {gate_up_train!r}")
     self.ragged_dot, self.gate_up_impl = ragged_dot, gate_up_impl
+    self.gate_up_train = gate_up_train
     self.dtype = dtype
     self.use_latent = latent_size not in (0, dim)
     lat = latent_size if self.use_latent else dim
@@ -429,7 +460,7 @@ class LatentMoE(nnx.Module):
     u = routed_experts(
         h, weights, experts, self.experts["w1"][...].astype(self.dtype),
         self.experts["w3"][...].astype(self.dtype), self.experts["w2"][...].astype(self.dtype),
-        self.beta1, self.beta2, self.ragged_dot, self.gate_up_impl)
+        self.beta1, self.beta2, self.ragged_dot, self.gate_up_impl, self.gate_up_train)
     if self.use_latent:
       u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
           self.dtype)

@@ -33,6 +33,7 @@ class DecoderLayer(nnx.Module):
     kda_impl = kernels.kda_impl if kernels else ""
     gmm_impl = (kernels.ragged_dot_impl if kernels else "") or None
     gate_up_impl = (kernels.gate_up_impl if kernels else "") or None
+    gate_up_train = kernels.gate_up_train if kernels else "unfused"
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     dt, pdt = config_lib.dtype(cfg.dtype), config_lib.dtype(cfg.param_dtype)
     self.index, self.kind = index, config_lib.layer_types(cfg)[index]
@@ -64,7 +65,8 @@ class DecoderLayer(nnx.Module):
           rms_norm_eps=eps, qb_num_bins=e.qb_num_bins,
           qb_keep_scores=e.balancing == "quantile_exact",
           ragged_dot=functools.partial(grouped_matmul.ragged_dot, impl=gmm_impl),
-          gate_up_impl=gate_up_impl, rngs=rngs, dtype=dt, param_dtype=pdt)
+          gate_up_impl=gate_up_impl, gate_up_train=gate_up_train, rngs=rngs, dtype=dt,
+          param_dtype=pdt)
     else:
       self.mlp = SiTUGLU(d, cfg.dense_intermediate_size, beta1=cfg.situ_beta1,
                          beta2=cfg.situ_beta2, rngs=rngs, dtype=dt, param_dtype=pdt)

@@ -16,15 +16,22 @@ def situ(gate: jax.Array, up: jax.Array, beta1: float, beta2: float) -> jax.Arra
   return out.astype(gate.dtype)
 
 
-def _situ_grads(gate, up, d_out, beta1, beta2):
-  """With a = b1 tanh(g/b1) s, s = sigmoid(g), b = b2 tanh(u/b2):
-  d gate = d b (a' = (1 - tanh^2(g/b1)) s + a (1 - s)),  d up = d a (1 - tanh^2(u/b2))."""
-  g, u, d = (v.astype(jnp.float32) for v in (gate, up, d_out))
+def situ_partials(gate: jax.Array, up: jax.Array, beta1: float,
+                  beta2: float) -> tuple[jax.Array, jax.Array]:
+  """The partial derivatives (dh/d gate, dh/d up) of h = situ(gate, up), in fp32. With
+  s = sigmoid(g), a = b1 tanh(g/b1) s and b = b2 tanh(u/b2) (h = a b):
+  dh/dg = b ((1 - tanh^2(g/b1)) s + a (1 - s)),  dh/du = a (1 - tanh^2(u/b2))."""
+  g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
   tg, tu, s = jnp.tanh(g / beta1), jnp.tanh(u / beta2), jax.nn.sigmoid(g)
   a = beta1 * tg * s
-  d_gate = d * (beta2 * tu) * ((1 - tg * tg) * s + a * (1 - s))
-  d_up = d * a * (1 - tu * tu)
-  return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+  return (beta2 * tu) * ((1 - tg * tg) * s + a * (1 - s)), a * (1 - tu * tu)
+
+
+def _situ_grads(gate, up, d_out, beta1, beta2):
+  """(d gate, d up) = d_out * `situ_partials`, in the inputs' dtypes."""
+  p_gate, p_up = situ_partials(gate, up, beta1, beta2)
+  d = d_out.astype(jnp.float32)
+  return (d * p_gate).astype(gate.dtype), (d * p_up).astype(up.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -6,7 +6,8 @@ rows' token indices, then for each block_k slice of K gathers the [block_m, bloc
 of x straight from HBM (a pointer per row, masked past the tile: Triton's register/cp.async
 gather, which Mosaic GPU's TMA cannot do on Hopper), loads the matching [block_k, block_n] tiles
 of W1 and W3 and accumulates gate and up in fp32. The epilogue applies SiTU to the fp32
-accumulators and stores h (and, for the backward, gate and up in x's dtype).
+accumulators and stores h and, on request, [gate | up] or SiTU's partial derivatives
+[dh/d gate | dh/d up] (what a backward needs) in x's dtype.
 
 Row tiles start at each group's first row (as CUTLASS's grouped GEMM); rows past
 sum(group_sizes) form an extra padding group whose tiles store zeros. SiTU is written with tanh
@@ -85,9 +86,18 @@ def _situ(gate, up, beta1: float, beta2: float, tanh):
           * (beta2 * tanh(up * (1.0 / beta2))))
 
 
-def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *gu_ref, cfg: Config,
-            beta1: float, beta2: float, tanh):
-  """Program (j, t): columns [j bn, + bn) of h for row tile t (see the module docstring)."""
+def _situ_partials(gate, up, beta1: float, beta2: float, tanh):
+  """(dh/d gate, dh/d up) of `_situ` (k3jax.situ.situ_partials) through tanh only."""
+  tg, tu = tanh(gate * (1.0 / beta1)), tanh(up * (1.0 / beta2))
+  s = 0.5 + 0.5 * tanh(0.5 * gate)
+  a, b = beta1 * tg * s, beta2 * tu
+  return b * ((1.0 - tg * tg) * s + a * (1.0 - s)), a * (1.0 - tu * tu)
+
+
+def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Config,
+            beta1: float, beta2: float, tanh, aux: str | None):
+  """Program (j, t): columns [j bn, + bn) of h for row tile t (see the module docstring);
+  aux "gate_up" also stores [gate | up], "situ_grads" [dh/d gate | dh/d up]."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   num_groups, k, f = w1_ref.shape
   j, t = pl.program_id(0), pl.program_id(1)
@@ -100,10 +110,14 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *gu_ref, cfg: Con
     mask = valid[:, None]
     h = _situ(gate, up, beta1, beta2, tanh)
     plgpu_triton.store(h_ref.at[out_rows, pl.ds(j * bn, bn)], h.astype(h_ref.dtype), mask=mask)
-    if gu_ref:
-      (gu,) = gu_ref
-      plgpu_triton.store(gu.at[out_rows, pl.ds(j * bn, bn)], gate.astype(gu.dtype), mask=mask)
-      plgpu_triton.store(gu.at[out_rows, pl.ds(f + j * bn, bn)], up.astype(gu.dtype), mask=mask)
+    if aux:
+      (aux_out,) = aux_ref
+      left, right = ((gate, up) if aux == "gate_up"
+                     else _situ_partials(gate, up, beta1, beta2, tanh))
+      plgpu_triton.store(aux_out.at[out_rows, pl.ds(j * bn, bn)], left.astype(aux_out.dtype),
+                         mask=mask)
+      plgpu_triton.store(aux_out.at[out_rows, pl.ds(f + j * bn, bn)],
+                         right.astype(aux_out.dtype), mask=mask)
 
   zeros = jnp.zeros((bm, bn), jnp.float32)
 
@@ -129,9 +143,10 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *gu_ref, cfg: Con
 
 def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
             group_sizes: jax.Array, *, beta1: float, beta2: float,
-            return_gate_up: bool = False, interpret: bool = False,
-            config: Config | None = None):
-  """h [M, F] = SiTU(x[rows] W1_g, x[rows] W3_g) (and gate_up [M, 2F]); see `api.gate_up`."""
+            return_gate_up: bool = False, return_situ_grads: bool = False,
+            interpret: bool = False, config: Config | None = None):
+  """h [M, F] = SiTU(x[rows] W1_g, x[rows] W3_g) (and gate_up or SiTU's partials [M, 2F]);
+  see `api.gate_up`."""
   if reason := supports(x, rows, w1, w3, group_sizes, interpret=interpret, config=config):
     raise ValueError(f"the triton tier does not take this call: {reason}")
   cfg = default_config(x.shape[1], w1.shape[2]) if config is None else config
@@ -139,12 +154,13 @@ def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
   ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
   sizes_ext = jnp.concatenate([jnp.diff(ends, prepend=0), (m - ends[-1])[None]])
   grid_m = pl.cdiv(m, cfg.block_m) + g + 1      # >= the tiles of the G + 1 row groups
+  aux = "situ_grads" if return_situ_grads else "gate_up" if return_gate_up else None
   out_shape = [jax.ShapeDtypeStruct((m, f), x.dtype)]
-  if return_gate_up:
+  if aux:
     out_shape.append(jax.ShapeDtypeStruct((m, 2 * f), x.dtype))
   tanh = jnp.tanh if interpret else plgpu_triton.approx_tanh
   out = pl.pallas_call(
-      functools.partial(_kernel, cfg=cfg, beta1=beta1, beta2=beta2, tanh=tanh),
+      functools.partial(_kernel, cfg=cfg, beta1=beta1, beta2=beta2, tanh=tanh, aux=aux),
       out_shape=tuple(out_shape),
       grid=(f // cfg.block_n, grid_m),
       compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
@@ -153,4 +169,4 @@ def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
       name="moe_gate_up",
   )(mosaic_gpu.row_tiles(sizes_ext, cfg.block_m, grid_m, align=1), rows.astype(jnp.int32),
     x, w1, w3)
-  return tuple(out) if return_gate_up else out[0]
+  return tuple(out) if aux else out[0]

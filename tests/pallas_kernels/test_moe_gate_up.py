@@ -3,7 +3,8 @@
 The triton tier runs in Pallas's interpreter on CPU against an fp64 oracle (gather, per-group
 matmuls, SiTU in numpy), with empty and one-row groups, uneven sizes, rows past
 sum(group_sizes), repeated and unsorted token indices, F and K below the default tiles, bf16 and
-f16. It is also lowered for an H200 on CPU (Triton IR built, not compiled); on a Hopper GPU it is
+f16, and SiTU's partial derivatives (return_situ_grads) against central differences. It is
+also lowered for an H200 on CPU (Triton IR built, not compiled); on a Hopper GPU it is
 compiled and run (tanh.approx in the epilogue) at the k3_small expert shape.
 """
 import jax
@@ -34,6 +35,16 @@ def oracle(x, rows, w1, w3, sizes):
   gate, up = gu[:, :f], gu[:, f:]
   h = B1 * np.tanh(gate / B1) / (1 + np.exp(-gate)) * B2 * np.tanh(up / B2)
   return h, gu
+
+
+def partials_oracle(gu):
+  """fp64 [dh/d gate | dh/d up] of h = SiTU(gate, up) by central differences (step 1e-6)."""
+  f = gu.shape[1] // 2
+  gate, up = gu[:, :f], gu[:, f:]
+  h = lambda g, u: B1 * np.tanh(g / B1) / (1 + np.exp(-g)) * B2 * np.tanh(u / B2)
+  eps = 1e-6
+  return np.concatenate([(h(gate + eps, up) - h(gate - eps, up)) / (2 * eps),
+                         (h(gate, up + eps) - h(gate, up - eps)) / (2 * eps)], axis=1)
 
 
 def make(n, k, f, sizes, m=None, dtype=jnp.bfloat16, seed=0):
@@ -81,6 +92,24 @@ def test_interpret_matches_fp64(n, k, f, sizes, m, config):
   check(xla.gate_up(x, rows, w1, w3, gs, beta1=B1, beta2=B2, return_gate_up=True), ref, 1e-2)
 
 
+@pytest.mark.parametrize("n,k,f,sizes,m,config", CASES[:2] + CASES[3:4])
+def test_situ_grads_match_fp64(n, k, f, sizes, m, config):
+  """return_situ_grads: h and [dh/d gate | dh/d up] on the rows' fp32 products (kernel in the
+  interpreter, and the xla tier), against central differences of SiTU in fp64."""
+  x, rows, w1, w3, gs = make(n, k, f, sizes, m)
+  h_ref, gu = oracle(x, rows, w1, w3, gs)
+  ref = (h_ref, partials_oracle(gu))
+  kw = dict(beta1=B1, beta2=B2, return_situ_grads=True)
+  out = moe_gate_up.gate_up(x, rows, w1, w3, gs, impl="triton", interpret=True, config=config,
+                            **kw)
+  assert out[1].dtype == x.dtype and out[1].shape == (rows.shape[0], 2 * f)
+  check(out, ref, 1e-2)
+  assert not np.asarray(out[1][int(np.sum(sizes)):]).any()
+  check(xla.gate_up(x, rows, w1, w3, gs, **kw), ref, 1e-2)
+  with pytest.raises(ValueError, match="exclusive"):
+    moe_gate_up.gate_up(x, rows, w1, w3, gs, return_gate_up=True, **kw)
+
+
 def test_h_alone_equals_h_with_gate_up_and_float16():
   x, rows, w1, w3, gs = make(40, 64, 64, (0, 1, 17, 0, 30, 2), dtype=jnp.float16)
   kw = dict(beta1=B1, beta2=B2, impl="triton", interpret=True)
@@ -126,8 +155,8 @@ def test_bad_arguments_raise():
     triton.gate_up(x.astype(jnp.float32), rows, w1, w3, gs, interpret=True, **kw)
 
 
-@pytest.mark.parametrize("return_gate_up", [False, True])
-def test_lowers_for_h200(return_gate_up):
+@pytest.mark.parametrize("aux", [None, "gate_up", "situ_grads"])
+def test_lowers_for_h200(aux):
   """The kernel lowers to Triton IR for an H200 at the k3_small shape (tanh.approx included)."""
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
@@ -135,7 +164,8 @@ def test_lowers_for_h200(return_gate_up):
   bf16 = jnp.bfloat16
   with jax.sharding.use_abstract_mesh(mesh):
     lowered = jax.jit(lambda *a: triton.gate_up(
-        *a, beta1=B1, beta2=B2, return_gate_up=return_gate_up)).trace(
+        *a, beta1=B1, beta2=B2, return_gate_up=aux == "gate_up",
+        return_situ_grads=aux == "situ_grads")).trace(
             s((16384, 512), bf16), s((131072,), jnp.int32), s((64, 512, 512), bf16),
             s((64, 512, 512), bf16), s((64,), jnp.int32)).lower(lowering_platforms=("cuda",))
   assert "__gpu$xla.gpu.triton" in lowered.as_text()
@@ -162,3 +192,8 @@ def test_compiled_on_hopper(n, k, f, sizes, m):
   assert rel_err(h, ref[0]) < 1e-2
   past = int(np.sum(sizes))
   assert not np.asarray(h[past:]).any()
+  kw = dict(beta1=B1, beta2=B2, return_situ_grads=True)
+  out = jax.jit(lambda *a: moe_gate_up.gate_up(*a, **kw))(x, rows, w1, w3, gs)
+  ref = jax.jit(lambda *a: xla.gate_up(*a, **kw))(
+      *[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in (x, rows, w1, w3, gs)])
+  check(out, tuple(np.asarray(r, np.float64) for r in ref), 1e-2)
