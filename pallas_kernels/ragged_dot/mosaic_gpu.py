@@ -389,14 +389,12 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
   epi = cfg.epilogue_rows or bm
-  pipeline_states = (
-      # (state, when): one tile alone runs a whole pipeline; otherwise the first tile starts
-      # it, the last one drains it (`emit_pipeline_warp_specialized`'s pipeline of pipelines).
-      (None, lambda i, n: n == 1),
-      (plgpu.PipelinePipeline.START, lambda i, n: (i == 0) & (n > 1)),
-      (plgpu.PipelinePipeline.STEADY, lambda i, n: (i > 0) & (i < n - 1)),
-      (plgpu.PipelinePipeline.STOP, lambda i, n: (i == n - 1) & (n > 1)),
-  )
+  def pipeline_state(i, n):
+    """The pipeline-of-pipelines state of a CTA's tile i of n > 1, as a traced value: one
+    pipeline in the kernel serves the first (START), middle (STEADY) and last (STOP) tiles."""
+    return jnp.where(i == 0, int(plgpu.PipelinePipeline.START),
+                     jnp.where(i == n - 1, int(plgpu.PipelinePipeline.STOP),
+                               int(plgpu.PipelinePipeline.STEADY))).astype(jnp.int32)
 
   def make_pipeline(body, compute_context, row0, n_idx, state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -479,9 +477,11 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
               lhs_gmem, rhs_gmem.at[jnp.minimum(group, g - 1)], allocations=pipeline_allocs)
 
         if cfg.tile_pipeline:
-          for state, when in pipeline_states:
-            pl.when(when(loop_info.local_index, loop_info.num_local_steps))(
-                functools.partial(run, state))
+          # A CTA's lone tile runs a whole pipeline; otherwise the first tile starts it and
+          # the last one drains it.
+          i, n = loop_info.local_index, loop_info.num_local_steps
+          pl.when(n == 1)(functools.partial(run, None))
+          pl.when(n > 1)(lambda: run(pipeline_state(i, n)))
         else:
           pl.when(rows > 0)(functools.partial(run, None))
 
