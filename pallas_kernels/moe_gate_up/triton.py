@@ -80,17 +80,17 @@ def supports(x, rows, w1, w3, group_sizes, *, interpret: bool = False,
   return None
 
 
-def _situ(gate, up, beta1: float, beta2: float, tanh):
-  """SiTU (k3jax.situ) through tanh only: b1 tanh(g/b1) (1 + tanh(g/2))/2 * b2 tanh(u/b2)."""
-  return (beta1 * tanh(gate * (1.0 / beta1)) * (0.5 + 0.5 * tanh(0.5 * gate))
-          * (beta2 * tanh(up * (1.0 / beta2))))
-
-
-def _situ_partials(gate, up, beta1: float, beta2: float, tanh):
-  """(dh/d gate, dh/d up) of `_situ` (k3jax.situ.situ_partials) through tanh only."""
+def _situ_factors(gate, up, beta1: float, beta2: float, tanh):
+  """SiTU (k3jax.situ) through tanh only: h = a b with a = b1 tanh(g/b1) s,
+  s = sigmoid(g) = (1 + tanh(g/2))/2, b = b2 tanh(u/b2). Returns (a, b, tanh(g/b1), s,
+  tanh(u/b2)), from which h and its partials (`_situ_partials`) are formed."""
   tg, tu = tanh(gate * (1.0 / beta1)), tanh(up * (1.0 / beta2))
   s = 0.5 + 0.5 * tanh(0.5 * gate)
-  a, b = beta1 * tg * s, beta2 * tu
+  return beta1 * tg * s, beta2 * tu, tg, s, tu
+
+
+def _situ_partials(a, b, tg, s, tu):
+  """(dh/d gate, dh/d up) from `_situ_factors` (k3jax.situ.situ_partials)."""
   return b * ((1.0 - tg * tg) * s + a * (1.0 - s)), a * (1.0 - tu * tu)
 
 
@@ -108,12 +108,12 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Co
 
   def store(gate, up):
     mask = valid[:, None]
-    h = _situ(gate, up, beta1, beta2, tanh)
+    factors = _situ_factors(gate, up, beta1, beta2, tanh)
+    h = factors[0] * factors[1]
     plgpu_triton.store(h_ref.at[out_rows, pl.ds(j * bn, bn)], h.astype(h_ref.dtype), mask=mask)
     if aux:
       (aux_out,) = aux_ref
-      left, right = ((gate, up) if aux == "gate_up"
-                     else _situ_partials(gate, up, beta1, beta2, tanh))
+      left, right = (gate, up) if aux == "gate_up" else _situ_partials(*factors)
       plgpu_triton.store(aux_out.at[out_rows, pl.ds(j * bn, bn)], left.astype(aux_out.dtype),
                          mask=mask)
       plgpu_triton.store(aux_out.at[out_rows, pl.ds(f + j * bn, bn)],
