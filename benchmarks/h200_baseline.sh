@@ -132,8 +132,9 @@ PY
       done
       ;;
     train)
+      # TRAIN_ARGS: more flags, e.g. --config.kernels.gate_up_train=kernel
       timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
-        --config.train.global_batch_size=2 --out=$OUT/train_h200.json 2>&1 \
+        --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json 2>&1 \
         | tee $OUT/train.log | tail -3
       ;;
     train_trace)

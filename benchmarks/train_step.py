@@ -60,9 +60,12 @@ def main(argv):
              mfu=round(tok_s * fpt / peak, 4), peak_source=source, total_params=counts.total,
              active_params=counts.active, kda_impl=cfg.kernels.kda_impl or "auto",
              ragged_dot_impl=cfg.kernels.ragged_dot_impl or "auto",
+             gate_up_impl=cfg.kernels.gate_up_impl or "auto",
+             gate_up_train=cfg.kernels.gate_up_train,
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1),
              device=common.device_name(), date=common.today(), versions=common.versions())
-  common.merge_records(_OUT.value, [rec], ("op", "config", "B", "T", "kda_impl", "device"))
+  common.merge_records(_OUT.value, [rec],
+                       ("op", "config", "B", "T", "kda_impl", "gate_up_train", "device"))
   print(rec)
 
 
