@@ -9,12 +9,13 @@ Times, in one process on the same inputs:
   dispatch gather and SiTU apart), "xla" (`jax.lax.ragged_dot`, unfused);
 - routing + permutations (router, top-k, QB's histogram, `sort_by_expert`, `dispatch` and
   `combine`, as in the layer) without the expert matmuls; `routing_fused` is the same without
-  `dispatch`, whose gather the fused kernel does inside its matmul. Its parts: `--profile_dir`
+  `dispatch`, whose gather the fused kernel does inside its matmul; `*_fwd+bwd` adds their
+  VJPs (training). Its parts: `--profile_dir`
   and `trace_summary --by_hlo_op` (alone, each part is shorter than JAX's dispatch of a call,
   which a wall-clock timing would measure);
-- on a GPU or TPU, the device time of routing and of the layer's forward (`*_device`,
-  `common.device_ms`), whose ratio is the issue's share (with `routing_fused` for "default"
-  where the fused kernel runs);
+- on a GPU or TPU, the device time of routing and of the layer's forward and
+  forward+backward (`*_device`, `common.device_ms`), whose ratios are the issue's share (with
+  `routing_fused` for the forward where the fused kernel runs);
 - the experts' SiTU on the gate and up products (`elementwise_*`: as written, in a
   sigmoid-only form, and an add of the same bytes);
 - the layer's grouped matmuls alone per tier (`latent_moe.expert_ffn`), and a dense bf16
@@ -101,11 +102,11 @@ def main(argv):
   expert_out = jax.random.normal(jax.random.key(9), (n * e.num_experts_per_tok, lat),
                                  jnp.bfloat16)
 
-  def routing_only(xx, zz, fused=False):
+  def routing_only(xx, zz, fused=False, router=None):
     bias = moe.gate["e_score_correction_bias"][...]
+    router = moe.gate["kernel"][...] if router is None else router
     wts, ex, scores, cutoffs = latent_moe.route(
-        xx, moe.gate["kernel"][...], bias, e.num_experts_per_tok, 1.0, True,
-        return_cutoffs=True)
+        xx, router, bias, e.num_experts_per_tok, 1.0, True, return_cutoffs=True)
     qb_stats = qb.histogram_counts(scores, bias, e.num_experts_per_tok, moe.qb_num_bins,
                                    cutoffs)
     order, inverse, _ = latent_moe.sort_by_expert(ex, e.num_experts)
@@ -139,10 +140,10 @@ def main(argv):
   gemm_flops = 2 * n * e.num_experts_per_tok * lat * mi * 3
   dense_a = jax.random.normal(jax.random.key(4), (n * e.num_experts_per_tok, lat), jnp.bfloat16)
   dense_b = jax.random.normal(jax.random.key(5), (lat, 3 * mi), jnp.bfloat16)
-  timings, forwards = {}, {}
+  timings, forwards, fwd_bwds = {}, {}, {}
   for impl in _IMPLS.value:
     fwd, fwd_bwd = layer_fns(impl)
-    forwards[impl] = fwd
+    forwards[impl], fwd_bwds[impl] = fwd, fwd_bwd
     timings[f"layer_fwd_{impl}"] = common.time_jax(fwd, params, x)
     timings[f"layer_fwd+bwd_{impl}"] = common.time_jax(fwd_bwd, params, x)
     if _PROFILE_DIR.value:
@@ -153,13 +154,26 @@ def main(argv):
         w["w2"][...])
   routing = jax.jit(routing_only)
   routing_fused = jax.jit(functools.partial(routing_only, fused=True))
+
+  def routing_loss(xx, zz, router):
+    out, qb_stats = routing_only(xx, zz, router=router)
+    return jnp.sum(out.astype(jnp.float32)), qb_stats
+  # Training's routing and permutations: their forward and their VJPs (router, combine,
+  # dispatch). Every training path has them all; with gate_up_train="kernel" the dispatch
+  # gather moves from the forward into the backward (the regather).
+  routing_train = jax.jit(jax.value_and_grad(routing_loss, (0, 1, 2), has_aux=True))
+  router = moe.gate["kernel"][...]
   timings["routing_and_permutation"] = common.time_jax(routing, x[0], z)
+  timings["routing_and_permutation_fwd+bwd"] = common.time_jax(routing_train, x[0], z, router)
   if jax.devices()[0].platform != "cpu":
     # Device time (profiler trace), free of the host's dispatch: the share of the issue.
     timings["routing_and_permutation_device"] = common.device_ms(routing, x[0], z)
     timings["routing_fused_device"] = common.device_ms(routing_fused, x[0], z)
+    timings["routing_and_permutation_fwd+bwd_device"] = common.device_ms(
+        routing_train, x[0], z, router)
     for impl, fwd in forwards.items():
       timings[f"layer_fwd_{impl}_device"] = common.device_ms(fwd, params, x)
+      timings[f"layer_fwd+bwd_{impl}_device"] = common.device_ms(fwd_bwds[impl], params, x)
   for name, fn in elementwise.items():
     timings["elementwise_" + name] = common.time_jax(jax.jit(fn), act)
   if _PROFILE_DIR.value:
@@ -185,6 +199,10 @@ def main(argv):
       share = routing_ms / timings[f"layer_fwd_{impl}_device"]
       print(f"routing + permutations: {100 * share:.1f}% of the {impl} layer's forward "
             f"(device time{', dispatch fused into the gate/up kernel' if fused else ''})")
+      share = (timings["routing_and_permutation_fwd+bwd_device"]
+               / timings[f"layer_fwd+bwd_{impl}_device"])
+      print(f"routing + permutations, forward and backward: {100 * share:.1f}% of the {impl} "
+            "layer's forward+backward (device time)")
 
 
 if __name__ == "__main__":

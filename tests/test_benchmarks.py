@@ -66,7 +66,8 @@ def test_moe_layer_benchmark_times_every_part(tmp_path):
   names = {r["implementation"] for r in records(out)}
   parts = {"elementwise_" + p for p in ("situ", "situ_sigmoid_form", "add_same_bytes")}
   assert names == {"layer_fwd_xla", "layer_fwd+bwd_xla", "grouped_gemms_xla",
-                   "routing_and_permutation", "dense_same_flops"} | parts
+                   "routing_and_permutation", "routing_and_permutation_fwd+bwd",
+                   "dense_same_flops"} | parts
 
 
 def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
