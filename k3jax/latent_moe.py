@@ -408,8 +408,6 @@ class LatentMoE(nnx.Module):
     self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
     self.beta1, self.beta2 = beta1, beta2
     self.qb_num_bins, self.qb_keep_scores = qb_num_bins, qb_keep_scores
-    if gate_up_train not in GATE_UP_TRAIN:
-      raise ValueError(f"gate_up_train must be one of {GATE_UP_TRAIN}, got {gate_up_train!r}")
     self.ragged_dot, self.gate_up_impl = ragged_dot, gate_up_impl
     self.gate_up_train = gate_up_train
     self.dtype = dtype

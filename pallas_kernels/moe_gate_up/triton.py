@@ -108,12 +108,12 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Co
 
   def store(gate, up):
     mask = valid[:, None]
-    factors = _situ_factors(gate, up, beta1, beta2, tanh)
-    h = factors[0] * factors[1]
+    a, b, tg, s, tu = _situ_factors(gate, up, beta1, beta2, tanh)
+    h = a * b
     plgpu_triton.store(h_ref.at[out_rows, pl.ds(j * bn, bn)], h.astype(h_ref.dtype), mask=mask)
     if aux:
       (aux_out,) = aux_ref
-      left, right = (gate, up) if aux == "gate_up" else _situ_partials(*factors)
+      left, right = (gate, up) if aux == "gate_up" else _situ_partials(a, b, tg, s, tu)
       plgpu_triton.store(aux_out.at[out_rows, pl.ds(j * bn, bn)], left.astype(aux_out.dtype),
                          mask=mask)
       plgpu_triton.store(aux_out.at[out_rows, pl.ds(f + j * bn, bn)],

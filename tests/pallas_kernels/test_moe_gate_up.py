@@ -20,6 +20,11 @@ B1, B2 = 4.0, 25.0
 ON_HOPPER = triton.is_hopper()
 
 
+def situ64(gate, up):
+  """SiTU in fp64 numpy (k3jax.situ.situ)."""
+  return B1 * np.tanh(gate / B1) / (1 + np.exp(-gate)) * B2 * np.tanh(up / B2)
+
+
 def oracle(x, rows, w1, w3, sizes):
   """fp64 numpy: h and gate_up for each row of its group; rows past the groups give zeros."""
   x, w1, w3 = (np.asarray(a, np.float64) for a in (x, w1, w3))
@@ -32,19 +37,16 @@ def oracle(x, rows, w1, w3, sizes):
     a = x[rows[start:end]]
     gu[start:end] = np.concatenate([a @ w1[g], a @ w3[g]], axis=1)
     start = end
-  gate, up = gu[:, :f], gu[:, f:]
-  h = B1 * np.tanh(gate / B1) / (1 + np.exp(-gate)) * B2 * np.tanh(up / B2)
-  return h, gu
+  return situ64(gu[:, :f], gu[:, f:]), gu
 
 
 def partials_oracle(gu):
   """fp64 [dh/d gate | dh/d up] of h = SiTU(gate, up) by central differences (step 1e-6)."""
   f = gu.shape[1] // 2
   gate, up = gu[:, :f], gu[:, f:]
-  h = lambda g, u: B1 * np.tanh(g / B1) / (1 + np.exp(-g)) * B2 * np.tanh(u / B2)
   eps = 1e-6
-  return np.concatenate([(h(gate + eps, up) - h(gate - eps, up)) / (2 * eps),
-                         (h(gate, up + eps) - h(gate, up - eps)) / (2 * eps)], axis=1)
+  return np.concatenate([(situ64(gate + eps, up) - situ64(gate - eps, up)) / (2 * eps),
+                         (situ64(gate, up + eps) - situ64(gate, up - eps)) / (2 * eps)], axis=1)
 
 
 def make(n, k, f, sizes, m=None, dtype=jnp.bfloat16, seed=0):
