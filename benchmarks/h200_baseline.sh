@@ -123,16 +123,16 @@ PY
         tests/test_latent_moe.py 2>&1 | tee $OUT/moe_gate_up_tests.log | tail -3
       timeout 120 python3 -m benchmarks.moe_gate_up --out=$OUT/moe_h200.json 2>&1 | grep " ms"
       rm -rf /tmp/moe_trace    # a warm machine keeps the last call's traces
-      timeout 240 python3 -m benchmarks.moe_layer --impls=default,fused_train,unfused \
+      timeout 240 python3 -m benchmarks.moe_layer --impls=default,fused_fwd,unfused \
         --out=$OUT/moe_h200.json --profile_dir=/tmp/moe_trace > $OUT/moe_fused.log 2>&1
       grep -E " ms|routing \+" $OUT/moe_fused.log
-      for part in default fused_train unfused routing; do
+      for part in default fused_fwd unfused routing; do
         cp "$(find /tmp/moe_trace/$part -name '*.trace.json.gz' | head -1)" $OUT/moe_trace_$part.json.gz
         echo "== $part"; python3 -m benchmarks.trace_summary --trace=$OUT/moe_trace_$part.json.gz --top=30 --by_hlo_op
       done
       ;;
     train)
-      # TRAIN_ARGS: more flags, e.g. --config.kernels.gate_up_train=kernel
+      # TRAIN_ARGS: more flags, e.g. --config.kernels.gate_up_train=unfused
       timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
         --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json 2>&1 \
         | tee $OUT/train.log | tail -3

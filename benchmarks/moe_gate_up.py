@@ -3,8 +3,8 @@ r"""The MoE experts' first product on the device: gather + [W1 | W3] grouped mat
 Device time per call (`common.device_ms`), one process, same inputs, at k3_small's expert shape
 (N 16384 tokens x top-8 = M 131072 rows, K = latent 512, F 512, 64 experts) and K3's
 (M 32768 rows of 4096 tokens, K 3584, F 3072, 32 local experts). Rows:
-- "triton" / "triton+gate_up": `pallas_kernels.moe_gate_up`'s fused kernel, h alone
-  (inference, the layer's forward) and h with the gate/up products kept for the backward;
+- "triton" / "triton+situ_grads": `pallas_kernels.moe_gate_up`'s fused kernel, h alone
+  (inference) and h with SiTU's partials [dh/d gate | dh/d up] (the training forward);
 - "unfused": what the layer runs without it: the dispatch gather (`latent_moe.take_rows`), our
   default grouped matmul (`pallas_kernels.ragged_dot`) and XLA's SiTU;
 - "unfused_no_gather": the same on rows gathered beforehand (the matmul and SiTU alone).
@@ -52,9 +52,9 @@ def unfused(x, rows, w1, w3, sizes, gather=True):
   return situ_lib.situ(gu[:, :f], gu[:, f:], B1, B2)
 
 
-def fused(x, rows, w1, w3, sizes, return_gate_up=False, config=None):
+def fused(x, rows, w1, w3, sizes, return_situ_grads=False, config=None):
   return moe_gate_up.gate_up(x, rows, w1, w3, sizes, beta1=B1, beta2=B2,
-                             return_gate_up=return_gate_up, config=config)
+                             return_situ_grads=return_situ_grads, config=config)
 
 
 def main(argv):
@@ -74,7 +74,7 @@ def main(argv):
     pre_gathered = (latent_moe.take_rows(args[0], args[1]),) + args[1:]
     runs = {
         "triton": (jax.jit(fused), args),
-        "triton+gate_up": (jax.jit(functools.partial(fused, return_gate_up=True)), args),
+        "triton+situ_grads": (jax.jit(functools.partial(fused, return_situ_grads=True)), args),
         "unfused": (jax.jit(unfused), args),
         "unfused_no_gather": (jax.jit(functools.partial(unfused, gather=False)), pre_gathered),
     }

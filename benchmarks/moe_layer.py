@@ -4,9 +4,9 @@ Times, in one process on the same inputs:
 - the whole layer forward (and forward+backward), returning its aux as training does, with
   each kernel choice of `--impls`: "default" (the platform's defaults: on Hopper our Mosaic GPU
   grouped matmuls and the fused gather + W1/W3 + SiTU kernel `pallas_kernels.moe_gate_up`,
-  which trains through the unfused forward), "fused_train" (the same, but the kernel also
-  serves training: `gate_up_train="kernel"`), "unfused" (the default grouped matmuls,
-  dispatch gather and SiTU apart), "xla" (`jax.lax.ragged_dot`, unfused);
+  which also writes SiTU's partials for the backward), "fused_fwd" (the same forward, but
+  training differentiates the unfused path: `gate_up_train="unfused"`), "unfused" (the default
+  grouped matmuls, dispatch gather and SiTU apart), "xla" (`jax.lax.ragged_dot`, unfused);
 - routing + permutations (router, top-k, QB's histogram, `sort_by_expert`, `dispatch` and
   `combine`, as in the layer) without the expert matmuls; `routing_fused` is the same without
   `dispatch`, whose gather the fused kernel does inside its matmul; `*_fwd+bwd` adds their
@@ -46,8 +46,9 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "",
                                    "alone (<dir>/routing), after their timing.")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
 _IMPLS = flags.DEFINE_list("impls", ["default", "unfused", "xla"],
-                           "Kernel choices: default (platform defaults), fused_train (defaults, "
-                           "and the fused gate/up kernel also trains: gate_up_train='kernel'), "
+                           "Kernel choices: default (platform defaults), fused_fwd (defaults, "
+                           "but training differentiates the unfused path: "
+                           "gate_up_train='unfused'), "
                            "unfused (default grouped matmuls, no fused gate/up kernel) or an "
                            "impl name of pallas_kernels.ragged_dot (unfused).")
 
@@ -55,12 +56,12 @@ _IMPLS = flags.DEFINE_list("impls", ["default", "unfused", "xla"],
 def ragged_dot_of(impl: str):
   """`jax.lax.ragged_dot`-like callable of the named choice."""
   return functools.partial(grouped_matmul.ragged_dot,
-                           impl=None if impl in ("default", "fused_train", "unfused") else impl)
+                           impl=None if impl in ("default", "fused_fwd", "unfused") else impl)
 
 
 def gate_up_of(impl: str) -> str | None:
   """`LatentMoE(gate_up_impl=...)` of the named choice: the platform default or unfused."""
-  return None if impl in ("default", "fused_train") else "xla"
+  return None if impl in ("default", "fused_fwd") else "xla"
 
 
 def main(argv):
@@ -74,7 +75,7 @@ def main(argv):
         n_shared_experts=e.n_shared_experts, moe_intermediate_size=e.moe_intermediate_size,
         latent_size=e.latent_size, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
         param_dtype=jnp.bfloat16, ragged_dot=ragged_dot_of(impl), gate_up_impl=gate_up_of(impl),
-        gate_up_train="kernel" if impl == "fused_train" else "unfused")
+        gate_up_train="unfused" if impl == "fused_fwd" else "kernel")
   moe = make_moe("xla")
   x = jax.random.normal(jax.random.key(1), (1, n, d), jnp.bfloat16)
   _, params, _ = nnx.split(moe, nnx.Param, ...)

@@ -130,7 +130,7 @@ router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
                    w3: jax.Array, w2: jax.Array, beta1: float, beta2: float,
                    ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
-                   gate_up_train: str = "unfused", interpret: bool = False) -> jax.Array:
+                   gate_up_train: str = "kernel", interpret: bool = False) -> jax.Array:
   """Dropless routed SiTU-GLU experts: u = sum_j p_j * W2_j[SiTU(W1_j z, W3_j z)] (Eq. 11).
 
   z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
@@ -181,7 +181,7 @@ class GateUpSpec:
   ragged_dot: RaggedDot
   impl: str
   interpret: bool
-  train: str = "unfused"
+  train: str = "kernel"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -191,14 +191,12 @@ def fused_gate_up(z: jax.Array, order: jax.Array, inverse: jax.Array, w1: jax.Ar
   order (Eq. 11), by `pallas_kernels.moe_gate_up`: the copies are gathered inside the kernel,
   never written.
 
-  Under differentiation, spec.train = "unfused": the forward runs the unfused path instead
-  (`dispatch`, then `expert_gate_up`) and the backward is its VJP. Measured on the H200 at
-  k3_small, the layer's forward+backward took 0.1 ms longer with the kernel keeping gate/up
-  for the backward (0.41 against 0.36 ms for the kernel, and XLA then recomputes SiTU's tanh
-  terms in a separate pass) than with the unfused forward, whose SiTU pass leaves them to the
-  backward. spec.train = "kernel": the kernel also writes SiTU's partial derivatives
-  [dh/d gate | dh/d up], and the backward is one multiply (d [gate | up]), a regather of the
-  copies and the grouped matmul's VJP; no transcendentals in the backward.
+  Under differentiation, spec.train = "kernel" (the default): the kernel also writes SiTU's
+  partial derivatives [dh/d gate | dh/d up], and the backward is one multiply (d [gate | up]),
+  a regather of the copies and the grouped matmul's VJP, with no transcendentals. On the H200
+  at k3_small the layer's forward+backward took 2.88 ms this way against 3.06 ms with
+  spec.train = "unfused", which runs the unfused path forward (`dispatch`, then
+  `expert_gate_up`) and its VJP (benchmarks/results/moe_h200.json, session 17).
   """
   return moe_gate_up.gate_up(z, order // spec.top_k, w1, w3, group_sizes, beta1=spec.beta1,
                              beta2=spec.beta2, impl=spec.impl, interpret=spec.interpret)
@@ -394,7 +392,7 @@ class LatentMoE(nnx.Module):
                beta1: float = 4.0, beta2: float = 25.0, rms_norm_eps: float = 1e-5,
                qb_num_bins: int = 1000, qb_keep_scores: bool = False,
                ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
-               gate_up_train: str = "unfused", rngs: nnx.Rngs, dtype=jnp.float32,
+               gate_up_train: str = "kernel", rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
     if not 1 <= top_k < num_experts:
       raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "

@@ -33,7 +33,7 @@ class DecoderLayer(nnx.Module):
     kda_impl = kernels.kda_impl if kernels else ""
     gmm_impl = (kernels.ragged_dot_impl if kernels else "") or None
     gate_up_impl = (kernels.gate_up_impl if kernels else "") or None
-    gate_up_train = kernels.gate_up_train if kernels else "unfused"
+    gate_up_train = kernels.gate_up_train if kernels else "kernel"
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     dt, pdt = config_lib.dtype(cfg.dtype), config_lib.dtype(cfg.param_dtype)
     self.index, self.kind = index, config_lib.layer_types(cfg)[index]
@@ -72,7 +72,8 @@ class DecoderLayer(nnx.Module):
                          beta2=cfg.situ_beta2, rngs=rngs, dtype=dt, param_dtype=pdt)
     self.attn_res = cfg.attn_res_block_size > 0
     if self.attn_res:
-      self.self_attention_res_norm, self.self_attention_res_proj = attn_res.pseudo_query(d, rngs=rngs)
+      self.self_attention_res_norm, self.self_attention_res_proj = attn_res.pseudo_query(
+          d, rngs=rngs)
       self.mlp_res_norm, self.mlp_res_proj = attn_res.pseudo_query(d, rngs=rngs)
 
   def token_mixer(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,

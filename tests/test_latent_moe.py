@@ -209,8 +209,9 @@ def fused_case(dtype=jnp.bfloat16):
 def test_fused_gate_up_matches_unfused_path():
   """routed_experts with the fused kernel (interpreted) against dispatch + expert_ffn, bf16:
   the forward alone runs the kernel (ragged_dot is called once, for W2) and matches within 1%
-  (relative L2); under differentiation (also under jax.checkpoint) the forward is the unfused
-  path's, so the output and every gradient through the custom VJP equal the unfused path's."""
+  (relative L2); under differentiation with gate_up_train="unfused" (also under
+  jax.checkpoint) the forward is the unfused path's, so the output and every gradient through
+  the custom VJP equal the unfused path's."""
   arrs, experts = fused_case()
   names = ("z", "weights", "w1", "w3", "w2")
   calls = []
@@ -222,7 +223,8 @@ def test_fused_gate_up_matches_unfused_path():
   def run(impl, *args):
     kw = dict(zip(names, args))
     return lm.routed_experts(kw["z"], kw["weights"], experts, kw["w1"], kw["w3"], kw["w2"], B1,
-                             B2, counting_ragged_dot, gate_up_impl=impl, interpret=True)
+                             B2, counting_ragged_dot, gate_up_impl=impl,
+                             gate_up_train="unfused", interpret=True)
 
   def loss(impl, *args):
     out = run(impl, *args)

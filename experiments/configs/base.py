@@ -64,8 +64,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn.kda_impl = ""  # "": best available for the platform
   kn.ragged_dot_impl = ""
   kn.gate_up_impl = ""  # MoE gather + W1/W3 + SiTU: "" best available, "xla" unfused
-  # Its training: "unfused" forward + VJP, or "kernel" (also writes SiTU's partials)
-  kn.gate_up_train = "unfused"
+  # Its training: "kernel" (also writes SiTU's partials), or "unfused" forward + VJP
+  kn.gate_up_train = "kernel"
 
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000

@@ -4,8 +4,7 @@
 `gate_up(x [N, K], rows [M], w1 [G, K, F], w3 [G, K, F], group_sizes [G])` returns
 h [M, F] = SiTU(x[rows] @ W1_g, x[rows] @ W3_g) for the rows of group g (rows sorted by group,
 as `jax.lax.ragged_dot`), in x's dtype, from fp32 products; rows past sum(group_sizes) give
-zeros. `return_gate_up=True` also returns the products gate_up [M, 2F] (gate | up, x's dtype);
-`return_situ_grads=True` instead returns SiTU's partial derivatives [dh/d gate | dh/d up]
+zeros. `return_situ_grads=True` also returns SiTU's partial derivatives [dh/d gate | dh/d up]
 [M, 2F] (x's dtype; `k3jax.situ.situ_partials`), so that a backward is one multiply. In the
 MoE, rows = order // top_k gathers each routed copy's token, so the dispatched copies [M, K]
 are never written to HBM.
@@ -16,9 +15,8 @@ GPUs, where its tests passed, and xla elsewhere; a call the kernel declines runs
 closed). `plan(...)` returns the tier and every reason a tier declined.
 
 A forward op, not differentiable. `k3jax.latent_moe.fused_gate_up` runs it for the layer's
-forward; under differentiation it runs the unfused forward and its VJP (on the H200 that
-trains faster than this kernel with return_gate_up, see there) or, with
-`gate_up_train="kernel"`, this kernel with return_situ_grads.
+forward and, under differentiation (`gate_up_train="kernel"`, the default), with
+return_situ_grads, so that its backward is one multiply and the grouped matmul's VJP.
 """
 import types
 
@@ -66,18 +64,14 @@ def plan(x, rows, w1, w3, group_sizes, *, impl: str | None = None, interpret: bo
 
 def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
             group_sizes: jax.Array, *, beta1: float, beta2: float,
-            return_gate_up: bool = False, return_situ_grads: bool = False,
-            impl: str | None = None, interpret: bool = False,
+            return_situ_grads: bool = False, impl: str | None = None, interpret: bool = False,
             config: triton.Config | None = None):
-  """h [M, F] = SiTU(x[rows] W1_g, x[rows] W3_g) (report Eq. 11), and gate_up [M, 2F] with
-  return_gate_up or [dh/d gate | dh/d up] [M, 2F] with return_situ_grads (not both). rows: int
-  indices into x's N rows (in range; they are not checked on the device). impl: None (platform
-  default) or one of IMPLS; config: the triton tier's tiles. interpret=True runs the kernel in
-  Pallas's interpreter (CPU tests). Not differentiable."""
-  if return_gate_up and return_situ_grads:
-    raise ValueError("return_gate_up and return_situ_grads are exclusive: one [M, 2F] output")
+  """h [M, F] = SiTU(x[rows] W1_g, x[rows] W3_g) (report Eq. 11), and [dh/d gate | dh/d up]
+  [M, 2F] with return_situ_grads. rows: int indices into x's N rows (in range; they are not
+  checked on the device). impl: None (platform default) or one of IMPLS; config: the triton
+  tier's tiles. interpret=True runs the kernel in Pallas's interpreter (CPU tests). Not
+  differentiable."""
   p = plan(x, rows, w1, w3, group_sizes, impl=impl, interpret=interpret, config=config)
   return TIERS[p.impl].gate_up(x, rows, w1, w3, group_sizes, beta1=beta1, beta2=beta2,
-                               return_gate_up=return_gate_up,
                                return_situ_grads=return_situ_grads, interpret=interpret,
                                config=config if p.impl == "triton" else None)

@@ -95,9 +95,9 @@ def _situ_partials(a, b, tg, s, tu):
 
 
 def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Config,
-            beta1: float, beta2: float, tanh, aux: str | None):
+            beta1: float, beta2: float, tanh, situ_grads: bool):
   """Program (j, t): columns [j bn, + bn) of h for row tile t (see the module docstring);
-  aux "gate_up" also stores [gate | up], "situ_grads" [dh/d gate | dh/d up]."""
+  situ_grads also stores [dh/d gate | dh/d up]."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   num_groups, k, f = w1_ref.shape
   j, t = pl.program_id(0), pl.program_id(1)
@@ -111,9 +111,9 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Co
     a, b, tg, s, tu = _situ_factors(gate, up, beta1, beta2, tanh)
     h = a * b
     plgpu_triton.store(h_ref.at[out_rows, pl.ds(j * bn, bn)], h.astype(h_ref.dtype), mask=mask)
-    if aux:
+    if situ_grads:
       (aux_out,) = aux_ref
-      left, right = (gate, up) if aux == "gate_up" else _situ_partials(a, b, tg, s, tu)
+      left, right = _situ_partials(a, b, tg, s, tu)
       plgpu_triton.store(aux_out.at[out_rows, pl.ds(j * bn, bn)], left.astype(aux_out.dtype),
                          mask=mask)
       plgpu_triton.store(aux_out.at[out_rows, pl.ds(f + j * bn, bn)],
@@ -143,9 +143,9 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Co
 
 def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
             group_sizes: jax.Array, *, beta1: float, beta2: float,
-            return_gate_up: bool = False, return_situ_grads: bool = False,
-            interpret: bool = False, config: Config | None = None):
-  """h [M, F] = SiTU(x[rows] W1_g, x[rows] W3_g) (and gate_up or SiTU's partials [M, 2F]);
+            return_situ_grads: bool = False, interpret: bool = False,
+            config: Config | None = None):
+  """h [M, F] = SiTU(x[rows] W1_g, x[rows] W3_g) (and SiTU's partials [M, 2F]);
   see `api.gate_up`."""
   if reason := supports(x, rows, w1, w3, group_sizes, interpret=interpret, config=config):
     raise ValueError(f"the triton tier does not take this call: {reason}")
@@ -154,13 +154,13 @@ def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
   ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
   sizes_ext = jnp.concatenate([jnp.diff(ends, prepend=0), (m - ends[-1])[None]])
   grid_m = pl.cdiv(m, cfg.block_m) + g + 1      # >= the tiles of the G + 1 row groups
-  aux = "situ_grads" if return_situ_grads else "gate_up" if return_gate_up else None
   out_shape = [jax.ShapeDtypeStruct((m, f), x.dtype)]
-  if aux:
+  if return_situ_grads:
     out_shape.append(jax.ShapeDtypeStruct((m, 2 * f), x.dtype))
   tanh = jnp.tanh if interpret else plgpu_triton.approx_tanh
   out = pl.pallas_call(
-      functools.partial(_kernel, cfg=cfg, beta1=beta1, beta2=beta2, tanh=tanh, aux=aux),
+      functools.partial(_kernel, cfg=cfg, beta1=beta1, beta2=beta2, tanh=tanh,
+                        situ_grads=return_situ_grads),
       out_shape=tuple(out_shape),
       grid=(f // cfg.block_n, grid_m),
       compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
@@ -169,4 +169,4 @@ def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
       name="moe_gate_up",
   )(mosaic_gpu.row_tiles(sizes_ext, cfg.block_m, grid_m, align=1), rows.astype(jnp.int32),
     x, w1, w3)
-  return tuple(out) if aux else out[0]
+  return tuple(out) if return_situ_grads else out[0]

@@ -12,9 +12,8 @@ def supports(x, rows, w1, w3, group_sizes, *, interpret: bool = False, config=No
 
 def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
             group_sizes: jax.Array, *, beta1: float, beta2: float,
-            return_gate_up: bool = False, return_situ_grads: bool = False,
-            interpret: bool = False, config=None):
-  """h [M, F] (and gate_up or SiTU's partials [M, 2F]) in x's dtype, from fp32 products; see
+            return_situ_grads: bool = False, interpret: bool = False, config=None):
+  """h [M, F] (and SiTU's partials [M, 2F]) in x's dtype, from fp32 products; see
   `api.gate_up`."""
   del interpret, config
   f = w1.shape[2]
@@ -24,4 +23,4 @@ def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
   if return_situ_grads:
     partials = situ_lib.situ_partials(gu[:, :f], gu[:, f:], beta1, beta2)
     return h, jnp.concatenate(partials, axis=1).astype(x.dtype)
-  return (h, gu.astype(x.dtype)) if return_gate_up else h
+  return h
