@@ -76,11 +76,7 @@ class TgmmConfig:
   """Tiles of tgmm: an output tile [block_m, block_n] of out[g] ("ws": [2 * block_m, block_n],
   one half of the K rows per compute warpgroup); block_k rows of the group per pipeline step.
   "ws" only: cluster_n = 2 pairs CTAs on neighbouring N tiles of the same (group, K rows), which
-  load the shared lhs tile once by TMA multicast (a third less L2->SMEM traffic per step).
-  "ws" only: chunk_groups = c >= 1 runs the row blocks of c consecutive groups through one
-  pipeline per output tile (each group's tile stored from inside it, while the memory
-  warpgroup already loads the next group's blocks), instead of one pipeline per group and
-  tile (0), whose fill and drain cost about three steps per (group, tile)."""
+  load the shared lhs tile once by TMA multicast (a third less L2->SMEM traffic per step)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -89,7 +85,6 @@ class TgmmConfig:
   grid_tile_width: int = 1
   kernel: str = "ws"
   cluster_n: int = 1
-  chunk_groups: int = 0
 
 
 def is_hopper() -> bool:
@@ -288,11 +283,6 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
   if cfg.kernel == "ws" and cfg.block_m % _swizzle_elems(in_dtype):
     return (f"block_m={cfg.block_m} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
             " swizzle tile (the warpgroups slice the lhs tile along it)")
-  if cfg.chunk_groups < 0 or (cfg.chunk_groups and cfg.kernel != "ws"):
-    return f"chunk_groups={cfg.chunk_groups} must be >= 0, and 0 unless kernel='ws'"
-  if cfg.chunk_groups and interpret:
-    return ("chunk_groups resets the accumulator between groups, a store the Mosaic GPU "
-            "interpreter lacks (jax 0.11.2: no rule for wgmma_accumulator_store)")
   if cfg.kernel == "jax":
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
       return "JAX's transposed_ragged_dot_mgpu writes the input dtype only"
@@ -657,133 +647,6 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   return kernel(starts, ends, first_block, num_blocks, lhs, rhs)
 
 
-def _step_table(starts, ends, m: int, bk: int, chunk_groups: int):
-  """The pipeline steps of the chunked tgmm: the row blocks of group 0, then of group 1, ...
-  (a block shared by two groups appears once for each; an empty group takes one fully masked
-  step, so that its tile is stored as zeros). Returns table [5, S_max] int32 (rows: block,
-  group, first kept row, end of the kept rows, last step of its group) and the first step of
-  each chunk of chunk_groups groups [C + 1]."""
-  g = starts.shape[0]
-  nonempty = ends > starts
-  first_block = starts // bk
-  nblocks = jnp.where(nonempty, pl.cdiv(ends, bk) - first_block, 1)
-  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nblocks)]).astype(jnp.int32)
-  s = jnp.arange(pl.cdiv(m, bk) + g, dtype=jnp.int32)
-  group = jnp.clip(jnp.searchsorted(offsets, s, side="right") - 1, 0, g - 1)
-  block = jnp.minimum(first_block[group] + s - offsets[group], pl.cdiv(m, bk) - 1)
-  lo = jnp.where(s == offsets[group], starts[group] - block * bk, 0)
-  last = s == offsets[group + 1] - 1
-  hi = jnp.where(last, ends[group] - block * bk, bk)
-  lo, hi = jnp.where(nonempty[group], lo, 0), jnp.where(nonempty[group], hi, 0)
-  table = jnp.stack([block, group, lo, hi, last.astype(jnp.int32)]).astype(jnp.int32)
-  chunk_starts = offsets[jnp.minimum(jnp.arange(pl.cdiv(g, chunk_groups) + 1) * chunk_groups, g)]
-  return table, chunk_starts
-
-
-def _tgmm_ws_chunked(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dtype,
-                     num_sms: int, interpret: bool):
-  """Warp-specialised tgmm, one pipeline per (chunk of groups, output tile)."""
-  m, k = lhs.shape
-  n = rhs.shape[1]
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-  cta_m = 2 * bm
-  c = cfg.cluster_n
-  grid_m = k // cta_m
-  grid_n = n // bn // c             # in clusters of c neighbouring N tiles
-  table, chunk_starts = _step_table(starts, ends, m, bk, cfg.chunk_groups)
-  num_chunks = chunk_starts.shape[0] - 1
-  lhs_transforms = _transforms(cta_m, lhs.dtype)
-  rhs_transforms = _transforms(bn, rhs.dtype)
-  out_transforms = _transforms(bn, out_dtype)
-
-  def make_pipeline(body, compute_context, steps, step0, m_idx, n_idx, table_gmem):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(steps,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((bk, cta_m), lambda t: (table_gmem[0, step0 + t], m_idx),
-                            transforms=lhs_transforms,
-                            collective_axes=("cluster",) if c > 1 else ()),
-            plgpu.BlockSpec((bk, bn), lambda t: (table_gmem[0, step0 + t], n_idx),
-                            transforms=rhs_transforms),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute_context,
-    )
-
-  def body(table_gmem, chunks_gmem, lhs_gmem, rhs_gmem, out_gmem):
-    ignore = lambda *_, **__: None
-    allocs = make_pipeline(ignore, ignore, chunks_gmem[1], 0, 0, 0, table_gmem).get_allocations(
-        lhs_gmem, rhs_gmem)
-
-    @functools.partial(pl.run_scoped, pipeline_allocs=allocs,
-                       out_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=out_transforms),
-                       collective_axes="wg")
-    def _scope(pipeline_allocs, out_smem):
-      wg = lax.axis_index("wg")
-
-      @plgpu.nd_loop((num_chunks, grid_m * grid_n), collective_axes="cluster_grid")
-      def _tile(loop_info: plgpu.NDLoopInfo):
-        ci = loop_info.index[0]
-        mi, nj = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n),
-                                    cfg.grid_minor_dim, cfg.grid_tile_width)
-        ni = nj * c + lax.axis_index("cluster")
-        step0 = chunks_gmem[ci]
-
-        def mma(idxs, a_smem, b_smem, acc_ref):
-          (t,) = idxs
-          lo, hi = table_gmem[2, step0 + t], table_gmem[3, step0 + t]
-          a = a_smem.at[:, pl.ds(wg * bm, bm)]
-
-          @pl.when((lo > 0) | (hi < bk))
-          def _():
-            _mask_rows(a, lambda r: (r >= lo) & (r < hi))
-
-          plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
-          plgpu.wgmma_wait(0)
-
-          @pl.when(table_gmem[4, step0 + t] == 1)
-          def _():
-            gi = table_gmem[1, step0 + t]
-            o_smem = out_smem.at[wg]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[...] = acc_ref[...].astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem, out_gmem.at[gi, pl.ds(mi * cta_m + wg * bm, bm), pl.ds(ni * bn, bn)])
-            acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
-
-          return acc_ref
-
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-          def _acc(acc_ref):
-            eval_pipeline(acc_ref)
-
-        make_pipeline(mma, compute_context, chunks_gmem[ci + 1] - step0, step0, mi, ni,
-                      table_gmem)(lhs_gmem, rhs_gmem, allocations=pipeline_allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-      grid=(num_sms // c,),
-      grid_names=("cluster_grid",),
-      cluster=(c,),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=_interpret_params(interpret),
-  )
-  return kernel(table, chunk_starts, lhs, rhs)
-
-
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
          interpret: bool = False, config: TgmmConfig | None = None) -> jax.Array:
   """out[g] = lhs[rows of g]^T @ rhs[rows of g]: lhs [M, K], rhs [M, N] -> [G, K, N]; empty
@@ -803,6 +666,5 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=No
         lhs, rhs, group_sizes=ends - starts, block_m=config.block_m, block_n=config.block_n,
         block_k=config.block_k, max_concurrent_steps=config.max_concurrent_steps,
         grid_block_n=config.grid_tile_width)
-  impl = _tgmm_ws_chunked if config.chunk_groups else _tgmm_ws
-  return impl(lhs, rhs, starts, ends, num_groups=group_sizes.shape[0], cfg=config,
-              out_dtype=out_dtype, num_sms=_num_sms(interpret), interpret=interpret)
+  return _tgmm_ws(lhs, rhs, starts, ends, num_groups=group_sizes.shape[0], cfg=config,
+                  out_dtype=out_dtype, num_sms=_num_sms(interpret), interpret=interpret)
