@@ -9,7 +9,7 @@ pallas_kernels/ragged_dot/mosaic_gpu.py.
   python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small|toy]
       [--products=fwd,d_lhs,d_rhs] [--max_shapes=N] [--out=...]
 
---quick: a short list (17 configs), on the first shape unless --max_shapes says more.
+--quick: a short list (20 configs), on the first shape unless --max_shapes says more.
 --shapes: the K3 expert shapes (default) or k3_small's (G 64, 16384 tokens x top-8 rows,
 K = N = 512 and the fused gate/up N = 1024) or "toy" (G 2, 256 rows, K = N = 256).
 --interpret: run the kernels in the Mosaic GPU interpreter (CPU; with --shapes=toy, the test
@@ -43,6 +43,7 @@ def full_sweep(product: str) -> list:
                      grid_tile_width=t, cluster_n=c)
           for bm, bn in ((128, 128), (64, 128), (128, 64), (64, 64))
           for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
+    ws += [dataclasses.replace(cfg, group_rows=True) for cfg in ws]
     ex = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                      kernel="jax")
           for bm, bn in ((128, 128), (64, 128)) for s in (2, 4) for t in (1, 8)]
@@ -63,11 +64,11 @@ def full_sweep(product: str) -> list:
 
 def quick_sweep(product: str) -> list:
   """A short list around the heuristic table's choice, and for gmm the pipelined tiles (4
-  stages beside 64-row epilogue slices, or 2 stages)."""
+  stages beside 64-row epilogue slices, or 2 stages), for tgmm with and without group_rows."""
   if product == "d_rhs":
     return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                       grid_tile_width=t)
-            for d, t in ((1, 1), (1, 8), (0, 8))]
+                       grid_tile_width=t, group_rows=r)
+            for d, t in ((1, 1), (1, 8), (0, 8)) for r in (False, True)]
   return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
                     grid_tile_width=t)
           for d, t in ((1, 4), (1, 2), (0, 8))] + [

@@ -76,7 +76,10 @@ class TgmmConfig:
   """Tiles of tgmm: an output tile [block_m, block_n] of out[g] ("ws": [2 * block_m, block_n],
   one half of the K rows per compute warpgroup); block_k rows of the group per pipeline step.
   "ws" only: cluster_n = 2 pairs CTAs on neighbouring N tiles of the same (group, K rows), which
-  load the shared lhs tile once by TMA multicast (a third less L2->SMEM traffic per step)."""
+  load the shared lhs tile once by TMA multicast (a third less L2->SMEM traffic per step).
+  "ws" only: group_rows = True starts each group's row blocks at its first row rounded down
+  to 8 (as gmm's row tiles) instead of at a multiple of block_k: about half a step less per
+  group and output tile, and no masked first block for groups starting on a multiple of 8."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -85,6 +88,7 @@ class TgmmConfig:
   grid_tile_width: int = 1
   kernel: str = "ws"
   cluster_n: int = 1
+  group_rows: bool = False
 
 
 def is_hopper() -> bool:
@@ -283,6 +287,8 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
   if cfg.kernel == "ws" and cfg.block_m % _swizzle_elems(in_dtype):
     return (f"block_m={cfg.block_m} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
             " swizzle tile (the warpgroups slice the lhs tile along it)")
+  if cfg.kernel == "jax" and cfg.group_rows:
+    return "group_rows is an option of the 'ws' kernel"
   if cfg.kernel == "jax":
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
       return "JAX's transposed_ragged_dot_mgpu writes the input dtype only"
@@ -554,22 +560,30 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   c = cfg.cluster_n
   grid_m = k // cta_m
   grid_n = n // bn // c             # in clusters of c neighbouring N tiles
-  first_block = starts // bk
-  num_blocks = jnp.where(ends > starts, pl.cdiv(ends, bk) - first_block, 0).astype(jnp.int32)
+  # A group's steps load rows [row0 + kb * bk, + bk); rows outside [starts, ends) are masked.
+  row0 = starts // 8 * 8 if cfg.group_rows else starts // bk * bk
+  num_blocks = jnp.where(ends > starts, pl.cdiv(ends - row0, bk), 0).astype(jnp.int32)
+  first_row = starts - row0                                  # masked below, first step
+  last_row = lax.rem(ends - 1 - row0, bk)                    # masked above, last step
+  origin = row0 if cfg.group_rows else row0 // bk            # in rows / in blocks of bk
   lhs_transforms = _transforms(cta_m, lhs.dtype)
   rhs_transforms = _transforms(bn, rhs.dtype)
   out_transforms = _transforms(bn, out_dtype)
 
-  def make_pipeline(body, compute_context, steps, block0, m_idx, n_idx):
+  def make_pipeline(body, compute_context, steps, origin, m_idx, n_idx):
+    if cfg.group_rows:
+      rows, row_block = pl.Element(bk), lambda kb: pl.multiple_of(origin + kb * bk, 8)
+    else:
+      rows, row_block = bk, lambda kb: origin + kb
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((bk, cta_m), lambda kb: (block0 + kb, m_idx),
+            plgpu.BlockSpec((rows, cta_m), lambda kb: (row_block(kb), m_idx),
                             transforms=lhs_transforms,
                             collective_axes=("cluster",) if c > 1 else ()),
-            plgpu.BlockSpec((bk, bn), lambda kb: (block0 + kb, n_idx),
+            plgpu.BlockSpec((rows, bn), lambda kb: (row_block(kb), n_idx),
                             transforms=rhs_transforms),
         ],
         wg_axis="wg",
@@ -578,7 +592,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         compute_context=compute_context,
     )
 
-  def body(starts_gmem, ends_gmem, first_gmem, nblocks_gmem, lhs_gmem, rhs_gmem, out_gmem):
+  def body(origin_gmem, nblocks_gmem, first_gmem, last_gmem, lhs_gmem, rhs_gmem, out_gmem):
     ignore = lambda *_, **__: None
     allocs = make_pipeline(ignore, ignore, nblocks_gmem[0], 0, 0, 0).get_allocations(
         lhs_gmem, rhs_gmem)
@@ -596,8 +610,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
                                     cfg.grid_minor_dim, cfg.grid_tile_width)
         ni = nj * c + lax.axis_index("cluster")
         steps = nblocks_gmem[gi]
-        first_row = lax.rem(starts_gmem[gi], bk)
-        last_row = lax.rem(ends_gmem[gi] - 1, bk)
+        first_row = first_gmem[gi]
+        last_row = last_gmem[gi]
 
         def mma(idxs, a_smem, b_smem, acc_ref):
           (kb,) = idxs
@@ -626,7 +640,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
             plgpu.copy_smem_to_gmem(
                 o_smem, out_gmem.at[gi, pl.ds(mi * cta_m + wg * bm, bm), pl.ds(ni * bn, bn)])
 
-        make_pipeline(mma, compute_context, steps, first_gmem[gi], mi, ni)(
+        make_pipeline(mma, compute_context, steps, origin_gmem[gi], mi, ni)(
             lhs_gmem, rhs_gmem, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -644,7 +658,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=_interpret_params(interpret),
   )
-  return kernel(starts, ends, first_block, num_blocks, lhs, rhs)
+  return kernel(origin, num_blocks, first_row, last_row, lhs, rhs)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

@@ -134,6 +134,25 @@ def test_two_cta_clusters():
     assert rel_err(a, b) < BF16_TOL, (name, rel_err(a, b))
 
 
+# Group starts of "group_rows": pad_rows 0, 37, 37, 38, 139 (row blocks from 0, 32, 32, 32,
+# 136: off the 8-row grid, on it, and one-row groups); full 0, 0, 64, 65, 155, 192.
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tgmm_group_rows(case):
+  """group_rows: each group's row blocks start at its first row rounded down to 8, so the
+  blocks of one group overlap the previous group's (masked) and run past M (TMA zero fill)."""
+  x, w, ct, gs = inputs(case)
+  cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, group_rows=True)
+  d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
+  want = oracle(x, w, ct, CASES[case][1])[2]
+  for g, size in enumerate(CASES[case][1]):
+    if size:
+      assert rel_err(d_rhs[g], want[g]) < BF16_TOL, g
+    else:
+      assert not np.any(np.asarray(d_rhs[g], np.float32)), f"empty group {g}"
+  jax_cfg = dataclasses.replace(cfg, kernel="jax")
+  assert "'ws' kernel" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=jax_cfg)
+
+
 # 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),
 # full 5, three_tiles 3 (one SM runs a single tile, a whole pipeline).
 PIPELINE_CASES = dict(CASES, three_tiles=(80, (40, 32, 8)))

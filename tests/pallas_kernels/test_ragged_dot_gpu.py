@@ -71,6 +71,9 @@ TGMM_CONFIGS = [
     mosaic_gpu.TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0,
                           grid_tile_width=4),
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, kernel="jax"),
+    mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, group_rows=True),
+    mosaic_gpu.TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, group_rows=True,
+                          cluster_n=2),
 ]
 
 
