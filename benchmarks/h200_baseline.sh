@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~4 min: top-k; traces of MoE layer, routing
 #   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
 #   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
+#   bash benchmarks/h200_baseline.sh moe_tgmm              # ~2 min: d_rhs quick sweep at the 3 K3 shapes
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
@@ -101,6 +102,11 @@ PY
         grep -A4 "best per shape" $OUT/autotune_$set.log
       done
       ;;
+    moe_tgmm)
+      timeout 200 python3 -m benchmarks.autotune_ragged_dot --quick --products=d_rhs --max_shapes=3 \
+        --out=$OUT/autotune_tgmm.json > $OUT/autotune_tgmm.log 2>&1
+      grep -E "==|TFLOP|FAIL" $OUT/autotune_tgmm.log | cut -c1-220
+      ;;
     moe_gemm)
       timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe_gemm.log | grep -E "TFLOP|x torch" | grep -v "xla_ragged\|jax_example"
@@ -147,7 +153,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_fused, moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_kernels, moe_tgmm, moe_fused, moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done
