@@ -13,7 +13,8 @@
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~4 min: top-k; traces of MoE layer, routing
 #   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
 #   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
-#   bash benchmarks/h200_baseline.sh moe_tgmm              # ~2 min: d_rhs quick sweep at the 3 K3 shapes
+#   bash benchmarks/h200_baseline.sh moe_tgmm              # ~4 min: d_rhs quick sweep at the 3 K3 shapes,
+#                                                          # then where d_rhs's time goes (tgmm_costs)
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
@@ -106,6 +107,8 @@ PY
       timeout 200 python3 -m benchmarks.autotune_ragged_dot --quick --products=d_rhs --max_shapes=3 \
         --out=$OUT/autotune_tgmm.json > $OUT/autotune_tgmm.log 2>&1
       grep -E "==|TFLOP|FAIL" $OUT/autotune_tgmm.log | cut -c1-220
+      timeout 200 python3 -m benchmarks.tgmm_costs --out=$OUT/tgmm_costs.json 2>&1 \
+        | tee $OUT/tgmm_costs.log | grep TFLOP
       ;;
     moe_gemm)
       timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \

@@ -79,6 +79,15 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
+def test_tgmm_costs_times_every_variant_in_the_interpreter(tmp_path):
+  out = tmp_path / "tgmm_costs.json"
+  run_module("benchmarks.tgmm_costs", "--shapes=toy", "--interpret", f"--out={out}")
+  recs = records(out)
+  assert [r["variant"] for r in recs] == ["table", "aligned", "no_masks", "aligned_no_masks",
+                                          "uniform", "group_rows"]
+  assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
+
+
 def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
