@@ -181,7 +181,7 @@ class GateUpSpec:
   ragged_dot: RaggedDot
   impl: str
   interpret: bool
-  train: str = "kernel"
+  train: str
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

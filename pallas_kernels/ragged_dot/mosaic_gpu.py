@@ -570,11 +570,11 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   rhs_transforms = _transforms(bn, rhs.dtype)
   out_transforms = _transforms(bn, out_dtype)
 
-  def make_pipeline(body, compute_context, steps, origin, m_idx, n_idx):
+  def make_pipeline(body, compute_context, steps, group_origin, m_idx, n_idx):
     if cfg.group_rows:
-      rows, row_block = pl.Element(bk), lambda kb: pl.multiple_of(origin + kb * bk, 8)
+      rows, row_block = pl.Element(bk), lambda kb: pl.multiple_of(group_origin + kb * bk, 8)
     else:
-      rows, row_block = bk, lambda kb: origin + kb
+      rows, row_block = bk, lambda kb: group_origin + kb
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
