@@ -44,6 +44,7 @@ def full_sweep(product: str) -> list:
           for bm, bn in ((128, 128), (64, 128), (128, 64), (64, 64))
           for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
     ws += [dataclasses.replace(cfg, group_rows=True) for cfg in ws]
+    ws += [dataclasses.replace(cfg, tile_pipeline=True) for cfg in ws if cfg.cluster_n == 1]
     ex = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                      kernel="jax")
           for bm, bn in ((128, 128), (64, 128)) for s in (2, 4) for t in (1, 8)]
@@ -64,11 +65,12 @@ def full_sweep(product: str) -> list:
 
 def quick_sweep(product: str) -> list:
   """A short list around the heuristic table's choice, and for gmm the pipelined tiles (4
-  stages beside 64-row epilogue slices, or 2 stages), for tgmm with and without group_rows."""
+  stages beside 64-row epilogue slices, or 2 stages), for tgmm with and without group_rows and
+  tile_pipeline."""
   if product == "d_rhs":
     return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                       grid_tile_width=t, group_rows=r)
-            for d, t in ((1, 1), (1, 8), (0, 8)) for r in (False, True)]
+                       grid_tile_width=t, group_rows=r, tile_pipeline=p)
+            for d, t in ((1, 1), (1, 8), (0, 8)) for r in (False, True) for p in (False, True)]
   return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
                     grid_tile_width=t)
           for d, t in ((1, 4), (1, 2), (0, 8))] + [

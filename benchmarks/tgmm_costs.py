@@ -14,7 +14,9 @@ same shapes:
 - "uniform": equal group sizes (no long and short groups; multiples of 64 at these shapes,
   so compare with "aligned");
 - "group_rows": `TgmmConfig.group_rows` (each group's blocks start at its first row rounded
-  down to 8: half a block less per group and tile).
+  down to 8: half a block less per group and tile);
+- "tile_pipeline": `TgmmConfig.tile_pipeline` (no pipeline fill per tile: the next tile's
+  loads overlap the current tile's last steps and epilogue), also with group_rows.
   python3 -m benchmarks.tgmm_costs [--out=$OUT/tgmm_costs.json]
 --shapes=toy --interpret runs G 2, M = K = N = 256 in the Mosaic GPU interpreter (CPU; the
 test that keeps the script working).
@@ -38,7 +40,8 @@ from pallas_kernels.ragged_dot import mosaic_gpu
 _OUT = flags.DEFINE_string("out", "", "If set, the records (JSON list) go there.")
 _SHAPES = flags.DEFINE_enum("shapes", "k3", ["k3", "toy"], "The K3 expert shapes or a toy.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Mosaic GPU interpreter (CPU).")
-VARIANTS = ("table", "aligned", "no_masks", "aligned_no_masks", "uniform", "group_rows")
+VARIANTS = ("table", "aligned", "no_masks", "aligned_no_masks", "uniform", "group_rows",
+            "tile_pipeline", "tile_pipeline_group_rows")
 
 
 def sizes_of(variant: str, g: int, m: int, block_k: int) -> np.ndarray:
@@ -51,8 +54,8 @@ def sizes_of(variant: str, g: int, m: int, block_k: int) -> np.ndarray:
 def time_variant(variant: str, shape, interpret: bool) -> float:
   g, m, k, n = shape
   cfg = mosaic_gpu.tgmm_config(m, k, n, jnp.bfloat16, jnp.bfloat16)
-  if variant == "group_rows":
-    cfg = dataclasses.replace(cfg, group_rows=True)
+  cfg = dataclasses.replace(cfg, group_rows=variant.endswith("group_rows"),
+                            tile_pipeline=variant.startswith("tile_pipeline"))
   x, _, d_out, gs = make_inputs(g, m, k, n, sizes_of(variant, g, m, cfg.block_k))
   mask_rows = mosaic_gpu._mask_rows
   if variant.endswith("no_masks"):

@@ -42,6 +42,7 @@ INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_BYTES = 227 * 1024        # opt-in shared memory per block on sm_90
 _SMEM_RESERVE = 2 * 1024       # barriers and alignment
 _MEMORY_REGISTERS = 40         # registers of the TMA warpgroup (as hopper_matmul_mgpu)
+_COMPUTE_REGISTERS = 232       # of each of the two compute warpgroups: (512 - 40) / 2, to 8
 _INTERPRET_SMS = 2             # simulated SMs in interpret mode (several tiles per SM)
 
 
@@ -79,7 +80,12 @@ class TgmmConfig:
   load the shared lhs tile once by TMA multicast (a third less L2->SMEM traffic per step).
   "ws" only: group_rows = True starts each group's row blocks at its first row rounded down
   to 8 (as gmm's row tiles) instead of at a multiple of block_k: about half a step less per
-  group and output tile, and no masked first block for groups starting on a multiple of 8."""
+  group and output tile, and no masked first block for groups starting on a multiple of 8.
+  "ws" only: tile_pipeline = True runs all of a CTA's (tile, step) pairs as one pipeline with
+  hand-written barriers: the memory warpgroup loads the next tile's first steps while the
+  compute warpgroups finish and store the current tile, where one pipeline per tile waits for
+  its last steps to be consumed first (`emit_pipeline_warp_specialized` takes no pipeline of
+  pipelines over the per-group step counts of tgmm; needs cluster_n = 1)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -89,6 +95,7 @@ class TgmmConfig:
   kernel: str = "ws"
   cluster_n: int = 1
   group_rows: bool = False
+  tile_pipeline: bool = False
 
 
 def is_hopper() -> bool:
@@ -287,8 +294,10 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
   if cfg.kernel == "ws" and cfg.block_m % _swizzle_elems(in_dtype):
     return (f"block_m={cfg.block_m} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
             " swizzle tile (the warpgroups slice the lhs tile along it)")
-  if cfg.kernel == "jax" and cfg.group_rows:
-    return "group_rows is an option of the 'ws' kernel"
+  if cfg.kernel == "jax" and (cfg.group_rows or cfg.tile_pipeline):
+    return "group_rows and tile_pipeline are options of the 'ws' kernel"
+  if cfg.tile_pipeline and cfg.cluster_n != 1:
+    return "tile_pipeline runs without clusters (cluster_n=1)"
   if cfg.kernel == "jax":
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
       return "JAX's transposed_ragged_dot_mgpu writes the input dtype only"
@@ -570,20 +579,49 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   rhs_transforms = _transforms(bn, rhs.dtype)
   out_transforms = _transforms(bn, out_dtype)
 
-  def make_pipeline(body, compute_context, steps, group_origin, m_idx, n_idx):
+  def row_block(group_origin, kb):
+    """The pipeline's row index of step kb: in rows (group_rows) or in blocks of bk."""
     if cfg.group_rows:
-      rows, row_block = pl.Element(bk), lambda kb: pl.multiple_of(group_origin + kb * bk, 8)
-    else:
-      rows, row_block = bk, lambda kb: group_origin + kb
+      return pl.multiple_of(group_origin + kb * bk, 8)
+    return group_origin + kb
+
+  def row_slice(group_origin, kb):
+    start = row_block(group_origin, kb)
+    return pl.ds(start if cfg.group_rows else pl.multiple_of(start * bk, bk), bk)
+
+  def mma_step(kb, steps, first_row, last_row, a_smem, b_smem, acc_ref, wg):
+    """One step of a compute warpgroup: mask the rows outside the group, then wgmma."""
+    a = a_smem.at[:, pl.ds(wg * bm, bm)]
+
+    @pl.when(kb == 0)
+    def _():
+      _mask_rows(a, lambda r: r >= first_row)
+
+    @pl.when(kb == steps - 1)
+    def _():
+      _mask_rows(a, lambda r: r <= last_row)
+
+    plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
+    plgpu.wgmma_wait(0)
+
+  def store_tile(acc_ref, o_smem, out_gmem, gi, mi, ni, wg):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = acc_ref[...].astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        o_smem, out_gmem.at[gi, pl.ds(mi * cta_m + wg * bm, bm), pl.ds(ni * bn, bn)])
+
+  def make_pipeline(body, compute_context, steps, group_origin, m_idx, n_idx):
+    rows = pl.Element(bk) if cfg.group_rows else bk
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
         memory_registers=_MEMORY_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((rows, cta_m), lambda kb: (row_block(kb), m_idx),
+            plgpu.BlockSpec((rows, cta_m), lambda kb: (row_block(group_origin, kb), m_idx),
                             transforms=lhs_transforms,
                             collective_axes=("cluster",) if c > 1 else ()),
-            plgpu.BlockSpec((rows, bn), lambda kb: (row_block(kb), n_idx),
+            plgpu.BlockSpec((rows, bn), lambda kb: (row_block(group_origin, kb), n_idx),
                             transforms=rhs_transforms),
         ],
         wg_axis="wg",
@@ -609,44 +647,108 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         mi, nj = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n),
                                     cfg.grid_minor_dim, cfg.grid_tile_width)
         ni = nj * c + lax.axis_index("cluster")
-        steps = nblocks_gmem[gi]
-        first_row = first_gmem[gi]
-        last_row = last_gmem[gi]
+        steps, first_row, last_row = nblocks_gmem[gi], first_gmem[gi], last_gmem[gi]
 
         def mma(idxs, a_smem, b_smem, acc_ref):
-          (kb,) = idxs
-          a = a_smem.at[:, pl.ds(wg * bm, bm)]
-
-          @pl.when(kb == 0)
-          def _():
-            _mask_rows(a, lambda r: r >= first_row)
-
-          @pl.when(kb == steps - 1)
-          def _():
-            _mask_rows(a, lambda r: r <= last_row)
-
-          plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
-          plgpu.wgmma_wait(0)
+          mma_step(idxs[0], steps, first_row, last_row, a_smem, b_smem, acc_ref, wg)
           return acc_ref
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            o_smem = out_smem.at[wg]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[...] = acc_ref[...].astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                o_smem, out_gmem.at[gi, pl.ds(mi * cta_m + wg * bm, bm), pl.ds(ni * bn, bn)])
+            store_tile(acc_ref, out_smem.at[wg], out_gmem, gi, mi, ni, wg)
 
         make_pipeline(mma, compute_context, steps, origin_gmem[gi], mi, ni)(
             lhs_gmem, rhs_gmem, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  def tile_pipeline_body(origin_gmem, nblocks_gmem, first_gmem, last_gmem, lhs_gmem, rhs_gmem,
+                         out_gmem):
+    """One pipeline over all (tile, step) pairs of the CTA: slot and barrier phase follow a
+    step counter that runs on across tiles, in the memory and the compute warpgroups alike."""
+    stages = cfg.max_concurrent_steps
+    cta, num_ctas = lax.axis_index("cluster_grid"), num_sms
+    num_tiles = g * grid_m * grid_n
+    local_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
+
+    def tile_of(i):
+      t = cta + i * num_ctas
+      gi = t // (grid_m * grid_n)
+      mi, ni = plgpu.planar_snake(t % (grid_m * grid_n), (grid_m, grid_n),
+                                  cfg.grid_minor_dim, cfg.grid_tile_width)
+      return gi, mi, ni
+
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, bk, cta_m), lhs.dtype, transforms=lhs_transforms),
+        b_smem=plgpu.SMEM((stages, bk, bn), rhs.dtype, transforms=rhs_transforms),
+        out_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=out_transforms),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg")
+    def _scope(a_smem, b_smem, out_smem, produced, consumed):
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg == 2)
+      def _memory():
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+        def tile(i, step):
+          gi, mi, ni = tile_of(i)
+          group_origin = origin_gmem[gi]
+
+          def load(kb, step):
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            rows = row_slice(group_origin, kb)
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(mi * cta_m, cta_m)],
+                                    a_smem.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
+                                    b_smem.at[slot], produced.at[slot])
+            return step + 1
+
+          return lax.fori_loop(0, nblocks_gmem[gi], load, step)
+
+        total = lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _quiesce(step):     # observe the last releases before the barriers are freed
+          plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+      @pl.when(wg < 2)
+      def _compute():
+        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+        def tile(i, step):
+          gi, mi, ni = tile_of(i)
+          steps, first_row, last_row = nblocks_gmem[gi], first_gmem[gi], last_gmem[gi]
+
+          def run(acc_ref):
+            def mma(kb, step):
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(produced.at[slot])
+              mma_step(kb, steps, first_row, last_row, a_smem.at[slot], b_smem.at[slot],
+                       acc_ref, wg)
+              plgpu.barrier_arrive(consumed.at[slot])
+              return step + 1
+
+            next_step = lax.fori_loop(0, steps, mma, step)
+            store_tile(acc_ref, out_smem.at[wg], out_gmem, gi, mi, ni, wg)
+            return next_step
+
+          return pl.run_scoped(run, plgpu.ACC((bm, bn), jnp.float32))
+
+        lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
   kernel = plgpu.kernel(
-      body,
+      tile_pipeline_body if cfg.tile_pipeline else body,
       out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       grid=(num_sms // c,),
       grid_names=("cluster_grid",),

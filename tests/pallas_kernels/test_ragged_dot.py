@@ -153,6 +153,25 @@ def test_tgmm_group_rows(case):
   assert "'ws' kernel" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=jax_cfg)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("group_rows", [False, True])
+def test_tgmm_tile_pipeline(case, group_rows):
+  """tgmm's tile_pipeline: one pipeline over all (tile, step) pairs of a simulated SM, whose
+  slots and barrier phases run on across tiles of different groups (and empty groups)."""
+  x, w, ct, gs = inputs(case)
+  cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
+                              group_rows=group_rows, tile_pipeline=True)
+  d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
+  want = oracle(x, w, ct, CASES[case][1])[2]
+  for g, size in enumerate(CASES[case][1]):
+    if size:
+      assert rel_err(d_rhs[g], want[g]) < BF16_TOL, g
+    else:
+      assert not np.any(np.asarray(d_rhs[g], np.float32)), f"empty group {g}"
+  clustered = dataclasses.replace(cfg, cluster_n=2)
+  assert "cluster_n=1" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=clustered)
+
+
 # 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),
 # full 5, three_tiles 3 (one SM runs a single tile, a whole pipeline).
 PIPELINE_CASES = dict(CASES, three_tiles=(80, (40, 32, 8)))
