@@ -2,21 +2,22 @@
 diagnostic of the K3 expert shapes on the GPU, not a kernel choice.
 
 At the same FLOPs, d_rhs runs slower at G32 (16 row blocks of 64 per group and output tile)
-than at G8 (32 blocks). Per group and output tile the kernel pays an epilogue, two masked
-blocks (an SMEM read-modify-write of the first and last block, whose rows of the neighbouring
-groups are zeroed), a partial last block, and without tile_pipeline a pipeline fill. Each
-variant adds or removes one of these, in one process on the same shapes:
-- "table": the heuristic config (group_rows and tile_pipeline), Dirichlet group sizes (as
-  `benchmarks.moe_gemm`);
-- "aligned": group sizes multiples of 64 (no partial blocks; the masks run);
+than at G8 (32 blocks). Per group and output tile the kernel pays an epilogue, a partial last
+block, the first and last blocks' row masks (an SMEM read-modify-write of the block in the
+kernel, or with boundary_blocks a gather of both blocks by XLA), and without tile_pipeline a
+pipeline fill. Each variant adds or removes one of these, in one process on the same shapes:
+- "table": the heuristic config (group_rows, tile_pipeline, boundary_blocks), Dirichlet group
+  sizes (as `benchmarks.moe_gemm`);
+- "masks": the row masks in the kernel instead of boundary blocks;
 - "no_masks": the masks replaced by nothing (WRONG results; timing only);
-- "aligned_no_masks": both;
+- "aligned": group sizes multiples of 64 (no partial blocks);
+- "aligned_no_masks": both (WRONG results; timing only);
 - "uniform": equal group sizes (no long and short groups; multiples of 64 at these shapes,
   so compare with "aligned");
 - "no_group_rows": row blocks start at multiples of block_k (a first block with up to 63
-  rows of the previous group, masked; half a block more per group and tile);
-- "no_tile_pipeline": one pipeline per output tile (a pipeline fill per tile);
-- "neither": without both (the table config before session 18).
+  rows of the previous group; half a block more per group and tile);
+- "no_tile_pipeline": one pipeline per output tile (a pipeline fill per tile; masks);
+- "neither": without group_rows and tile_pipeline (the table config before session 18).
 
   python3 -m benchmarks.tgmm_costs [--out=$OUT/tgmm_costs.json]
 --shapes=toy --interpret runs G 2, M = K = N = 256 in the Mosaic GPU interpreter (CPU; the
@@ -41,8 +42,8 @@ from pallas_kernels.ragged_dot import mosaic_gpu
 _OUT = flags.DEFINE_string("out", "", "If set, the records (JSON list) go there.")
 _SHAPES = flags.DEFINE_enum("shapes", "k3", ["k3", "toy"], "The K3 expert shapes or a toy.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Mosaic GPU interpreter (CPU).")
-VARIANTS = ("table", "aligned", "no_masks", "aligned_no_masks", "uniform", "no_group_rows",
-            "no_tile_pipeline", "neither")
+VARIANTS = ("table", "masks", "no_masks", "aligned", "aligned_no_masks", "uniform",
+            "no_group_rows", "no_tile_pipeline", "neither")
 
 
 def sizes_of(variant: str, g: int, m: int, block_k: int) -> np.ndarray:
@@ -57,6 +58,8 @@ def time_variant(variant: str, shape, interpret: bool) -> float:
   cfg = mosaic_gpu.tgmm_config(m, k, n, jnp.bfloat16, jnp.bfloat16)
   if variant in ("no_group_rows", "neither"):
     cfg = dataclasses.replace(cfg, group_rows=False)
+  if variant in ("masks", "no_tile_pipeline", "neither") or variant.endswith("no_masks"):
+    cfg = dataclasses.replace(cfg, boundary_blocks=False)
   if variant in ("no_tile_pipeline", "neither"):
     cfg = dataclasses.replace(cfg, tile_pipeline=False)
   x, _, d_out, gs = make_inputs(g, m, k, n, sizes_of(variant, g, m, cfg.block_k))

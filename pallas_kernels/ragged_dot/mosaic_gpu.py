@@ -85,7 +85,10 @@ class TgmmConfig:
   hand-written barriers: the memory warpgroup loads the next tile's first steps while the
   compute warpgroups finish and store the current tile, where one pipeline per tile waits for
   its last steps to be consumed first (`emit_pipeline_warp_specialized` takes no pipeline of
-  pipelines over the per-group step counts of tgmm; needs cluster_n = 1)."""
+  pipelines over the per-group step counts of tgmm; needs cluster_n = 1).
+  With tile_pipeline, boundary_blocks = True has XLA gather each group's first and last lhs
+  row block with the rows outside the group zeroed ([G * 2 * block_k, K]: 2 * block_k rows
+  per group), which the memory warpgroup loads in their place: no row masks in the kernel."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -96,6 +99,7 @@ class TgmmConfig:
   cluster_n: int = 1
   group_rows: bool = False
   tile_pipeline: bool = False
+  boundary_blocks: bool = False
 
 
 def is_hopper() -> bool:
@@ -297,9 +301,11 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
     return (f"block_m={cfg.block_m} must be a multiple of the {_swizzle_elems(in_dtype)}-column"
             " swizzle tile (the warpgroups slice the lhs tile along it)")
   if cfg.kernel == "jax" and (cfg.group_rows or cfg.tile_pipeline):
-    return "group_rows and tile_pipeline are options of the 'ws' kernel"
+    return "group_rows, tile_pipeline and boundary_blocks are options of the 'ws' kernel"
   if cfg.tile_pipeline and cfg.cluster_n != 1:
     return "tile_pipeline runs without clusters (cluster_n=1)"
+  if cfg.boundary_blocks and not cfg.tile_pipeline:
+    return "boundary_blocks is an option of tile_pipeline"
   if cfg.kernel == "jax":
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
       return "JAX's transposed_ragged_dot_mgpu writes the input dtype only"
@@ -560,6 +566,17 @@ def _mask_rows(a_smem, keep):
   plgpu.commit_smem()
 
 
+def _boundary_blocks(lhs, starts, ends, row0, num_blocks, bk: int) -> jax.Array:
+  """Each group's first and last row block of lhs (rows row0 + [0, bk) and row0 +
+  (num_blocks - 1) * bk + [0, bk)) with the rows outside [starts, ends) zeroed:
+  [G * 2 * bk, K], block 2 g + j. One gather and select in XLA."""
+  last = row0 + jnp.maximum(num_blocks - 1, 0) * bk
+  rows = jnp.stack([row0, last], axis=1)[:, :, None] + jnp.arange(bk, dtype=jnp.int32)
+  keep = (rows >= starts[:, None, None]) & (rows < ends[:, None, None])
+  blocks = jnp.take(lhs, jnp.clip(rows, 0, lhs.shape[0] - 1).reshape(-1), axis=0)
+  return jnp.where(keep.reshape(-1, 1), blocks, jnp.zeros((), lhs.dtype))
+
+
 def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dtype,
              num_sms: int, interpret: bool):
   """Warp-specialised tgmm; the compute warpgroups split the K rows of each output tile."""
@@ -592,16 +609,17 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     return pl.ds(start if cfg.group_rows else pl.multiple_of(start * bk, bk), bk)
 
   def mma_step(kb, steps, first_row, last_row, a_smem, b_smem, acc_ref, wg):
-    """One step of a compute warpgroup: mask the rows outside the group, then wgmma."""
+    """One step of a compute warpgroup: mask the rows outside the group (unless the memory
+    warpgroup loaded boundary blocks), then wgmma."""
     a = a_smem.at[:, pl.ds(wg * bm, bm)]
+    if not cfg.boundary_blocks:
+      @pl.when(kb == 0)
+      def _():
+        _mask_rows(a, lambda r: r >= first_row)
 
-    @pl.when(kb == 0)
-    def _():
-      _mask_rows(a, lambda r: r >= first_row)
-
-    @pl.when(kb == steps - 1)
-    def _():
-      _mask_rows(a, lambda r: r <= last_row)
+      @pl.when(kb == steps - 1)
+      def _():
+        _mask_rows(a, lambda r: r <= last_row)
 
     plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
     plgpu.wgmma_wait(0)
@@ -667,7 +685,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def tile_pipeline_body(origin_gmem, nblocks_gmem, first_gmem, last_gmem, lhs_gmem, rhs_gmem,
-                         out_gmem):
+                         *bounds_and_out):
+    *bounds_gmem, out_gmem = bounds_and_out
     """One pipeline over all (tile, step) pairs of the CTA: slot and barrier phase follow a
     step counter that runs on across tiles, in the memory and the compute warpgroups alike."""
     stages = cfg.max_concurrent_steps
@@ -699,7 +718,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
 
         def tile(i, step):
           gi, mi, ni = tile_of(i)
-          group_origin = origin_gmem[gi]
+          group_origin, steps = origin_gmem[gi], nblocks_gmem[gi]
 
           def load(kb, step):
             slot = lax.rem(step, stages)
@@ -709,13 +728,29 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
               plgpu.barrier_wait(consumed.at[slot])
 
             rows = row_slice(group_origin, kb)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(mi * cta_m, cta_m)],
-                                    a_smem.at[slot], produced.at[slot])
+            cols = pl.ds(mi * cta_m, cta_m)
+            if cfg.boundary_blocks:
+              (bounds,) = bounds_gmem
+              first, last = kb == 0, kb == steps - 1
+
+              @pl.when(first | last)
+              def _():
+                block = pl.multiple_of((2 * gi + jnp.where(first, 0, 1)) * bk, bk)
+                plgpu.copy_gmem_to_smem(bounds.at[pl.ds(block, bk), cols], a_smem.at[slot],
+                                        produced.at[slot])
+
+              @pl.when(jnp.logical_not(first | last))
+              def _():
+                plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot],
+                                        produced.at[slot])
+            else:
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot],
+                                      produced.at[slot])
             plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
                                     b_smem.at[slot], produced.at[slot])
             return step + 1
 
-          return lax.fori_loop(0, nblocks_gmem[gi], load, step)
+          return lax.fori_loop(0, steps, load, step)
 
         total = lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
 
@@ -762,7 +797,9 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=_interpret_params(interpret),
   )
-  return kernel(origin, num_blocks, first_row, last_row, lhs, rhs)
+  bounds = (_boundary_blocks(lhs, starts, ends, row0, num_blocks, bk),) \
+      if cfg.boundary_blocks else ()
+  return kernel(origin, num_blocks, first_row, last_row, lhs, rhs, *bounds)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

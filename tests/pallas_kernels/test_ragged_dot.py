@@ -154,13 +154,17 @@ def test_tgmm_group_rows(case):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("group_rows", [False, True])
-def test_tgmm_tile_pipeline(case, group_rows):
+@pytest.mark.parametrize("group_rows,boundary_blocks",
+                         [(False, False), (True, False), (False, True), (True, True)])
+def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks):
   """tgmm's tile_pipeline: one pipeline over all (tile, step) pairs of a simulated SM, whose
-  slots and barrier phases run on across tiles of different groups (and empty groups)."""
+  slots and barrier phases run on across tiles of different groups (and empty groups); with
+  boundary_blocks the first and last blocks of each group come masked from XLA (one-row
+  groups: one block, both)."""
   x, w, ct, gs = inputs(case)
   cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
-                              group_rows=group_rows, tile_pipeline=True)
+                              group_rows=group_rows, tile_pipeline=True,
+                              boundary_blocks=boundary_blocks)
   d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
   want = oracle(x, w, ct, CASES[case][1])[2]
   for g, size in enumerate(CASES[case][1]):
@@ -170,6 +174,9 @@ def test_tgmm_tile_pipeline(case, group_rows):
       assert not np.any(np.asarray(d_rhs[g], np.float32)), f"empty group {g}"
   clustered = dataclasses.replace(cfg, cluster_n=2)
   assert "cluster_n=1" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=clustered)
+  per_tile = dataclasses.replace(cfg, tile_pipeline=False, boundary_blocks=True)
+  assert "option of tile_pipeline" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True,
+                                                               config=per_tile)
 
 
 # 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),
