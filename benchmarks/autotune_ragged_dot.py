@@ -9,7 +9,8 @@ pallas_kernels/ragged_dot/mosaic_gpu.py.
   python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small|toy]
       [--products=fwd,d_lhs,d_rhs] [--max_shapes=N] [--out=...]
 
---quick: a short list (20 configs), on the first shape unless --max_shapes says more.
+--quick: a short list (7 configs per gmm product, 12 for d_rhs), on the first shape unless
+--max_shapes says more.
 --shapes: the K3 expert shapes (default) or k3_small's (G 64, 16384 tokens x top-8 rows,
 K = N = 512 and the fused gate/up N = 1024) or "toy" (G 2, 256 rows, K = N = 256).
 --interpret: run the kernels in the Mosaic GPU interpreter (CPU; with --shapes=toy, the test
@@ -54,9 +55,9 @@ def full_sweep(product: str) -> list:
           for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))
           for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
     ws += [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
-                     grid_tile_width=t, tile_pipeline=True, epilogue_rows=e)
-           for bn in (128, 64) for s in (2, 4) for e in (None, 64, 32)
-           for d, t in GRID_ORDERS]
+                     grid_tile_width=t, tile_pipeline=True, half_tiles=h, epilogue_rows=e)
+           for bn in (128, 64) for s in (2, 3, 4) for e in (None, 64, 32)
+           for d, t in GRID_ORDERS for h in (False, True)]
     ex = [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                     kernel="jax")
           for bn in (128, 192) for s in (4, 5) for t in (1, 8)]
@@ -64,20 +65,18 @@ def full_sweep(product: str) -> list:
 
 
 def quick_sweep(product: str) -> list:
-  """A short list around the heuristic table's choice, and for gmm the pipelined tiles (4
-  stages beside 64-row epilogue slices, or 2 stages), for tgmm with and without group_rows and
-  tile_pipeline."""
+  """A short list around the heuristic table's choice: for gmm with and without tile_pipeline
+  and half_tiles (and 4 stages beside 64-row epilogue slices), for tgmm with and without
+  group_rows and tile_pipeline."""
   if product == "d_rhs":
     return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
                        grid_tile_width=t, group_rows=r, tile_pipeline=p)
             for d, t in ((1, 1), (1, 8), (0, 8)) for r in (False, True) for p in (False, True)]
   return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                    grid_tile_width=t)
-          for d, t in ((1, 4), (1, 2), (0, 8))] + [
-              GmmConfig(block_m=128, block_n=128, max_concurrent_steps=s, grid_minor_dim=d,
-                        grid_tile_width=t, tile_pipeline=True,
-                        epilogue_rows=64 if s == 4 else None)
-              for s in (4, 2) for d, t in ((1, 4), (0, 8))]
+                    grid_tile_width=t, tile_pipeline=p, half_tiles=h)
+          for d, t in ((1, 4), (0, 8)) for p, h in ((False, False), (True, False), (True, True))
+          ] + [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
+                         grid_tile_width=4, tile_pipeline=True, half_tiles=True, epilogue_rows=64)]
 
 
 def product_fn(product: str, cfg, interpret: bool):

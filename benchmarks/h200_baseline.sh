@@ -15,6 +15,9 @@
 #   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
 #   bash benchmarks/h200_baseline.sh moe_tgmm              # ~4 min: d_rhs quick sweep at the 3 K3 shapes,
 #                                                          # then where d_rhs's time goes (tgmm_costs)
+#   bash benchmarks/h200_baseline.sh moe_gmm_tiles         # ~5 min: ragged_dot GPU tests, fwd/d_lhs quick
+#                                                          # sweeps (tile_pipeline, half_tiles) at the 3 K3
+#                                                          # shapes and k3_small
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
@@ -110,6 +113,17 @@ PY
       timeout 200 python3 -m benchmarks.tgmm_costs --out=$OUT/tgmm_costs.json 2>&1 \
         | tee $OUT/tgmm_costs.log | grep TFLOP
       ;;
+    moe_gmm_tiles)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 200 \
+        python3 -m pytest -q -p no:cacheprovider -n 2 tests/pallas_kernels/test_ragged_dot_gpu.py \
+        2>&1 | tee $OUT/ragged_dot_tests.log | tail -3
+      for set in k3 k3_small; do
+        timeout 200 python3 -m benchmarks.autotune_ragged_dot --quick --products=fwd,d_lhs \
+          --max_shapes=3 --shapes=$set --out=$OUT/autotune_gmm_$set.json \
+          > $OUT/autotune_gmm_$set.log 2>&1
+        grep -E "==|TFLOP|FAIL" $OUT/autotune_gmm_$set.log | cut -c1-200
+      done
+      ;;
     moe_gemm)
       timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe_gemm.log | grep -E "TFLOP|x torch" | grep -v "xla_ragged\|jax_example"
@@ -156,7 +170,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_fused, moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_fused, moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done

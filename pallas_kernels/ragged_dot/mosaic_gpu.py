@@ -53,13 +53,14 @@ class GmmConfig:
   "jax" always snakes along N with width grid_tile_width). "ws" only: cluster_n = 2 pairs CTAs
   on neighbouring N tiles of the same rows, which load the shared lhs tile once by TMA
   multicast (a sixth less L2->SMEM traffic per step at 128 x 256 x 64).
-  "ws" only: tile_pipeline = True runs a CTA's tiles as one pipeline of pipelines
-  (`emit_pipeline_warp_specialized(pipeline_state=...)`): the memory warpgroup loads the next
-  tile's first stages while the compute warpgroups finish and store the current tile, instead
-  of each tile starting with an empty pipeline (needs K / block_k to be a multiple of
-  max_concurrent_steps, cluster_n = 1); epilogue_rows (None = block_m) stores each warpgroup's
-  tile in slices of that many rows through a smaller SMEM buffer, which makes room for a
-  fourth stage at 128 x 256 x 64."""
+  "ws" only: tile_pipeline = True runs all of a CTA's (tile, step) pairs as one pipeline with
+  hand-written barriers (as TgmmConfig's): the memory warpgroup loads the next tile's first
+  stages while the compute warpgroups finish and store the current tile, instead of each tile
+  starting with an empty pipeline (needs cluster_n = 1); with it, half_tiles = True loads and
+  multiplies only the first block_m / 2 rows of a tile whose rows all lie there (a group's
+  last tile, about half of them: on average a quarter tile less work per group).
+  epilogue_rows (None = block_m) stores each warpgroup's tile in slices of that many rows
+  through a smaller SMEM buffer, which makes room for a fourth stage at 128 x 256 x 64."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -69,6 +70,7 @@ class GmmConfig:
   kernel: str = "ws"
   cluster_n: int = 1
   tile_pipeline: bool = False
+  half_tiles: bool = False
   epilogue_rows: int | None = None
 
 
@@ -274,17 +276,19 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
             " swizzle tile (the warpgroups slice the rhs tile along it)")
   if cfg.kernel == "ws" and gmm_smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
     return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
-  if cfg.kernel == "jax" and (cfg.tile_pipeline or cfg.epilogue_rows):
-    return "tile_pipeline and epilogue_rows are options of the 'ws' kernel"
+  if cfg.kernel == "jax" and (cfg.tile_pipeline or cfg.half_tiles or cfg.epilogue_rows):
+    return "tile_pipeline, half_tiles and epilogue_rows are options of the 'ws' kernel"
   epi = cfg.epilogue_rows or cfg.block_m
   if cfg.block_m % epi or epi % 8:
     return (f"epilogue_rows={cfg.epilogue_rows} must divide block_m={cfg.block_m} and be a "
             "multiple of 8")
-  if cfg.tile_pipeline and (k // cfg.block_k) % cfg.max_concurrent_steps:
-    return (f"tile_pipeline needs K / block_k = {k // cfg.block_k} to be a multiple of "
-            f"max_concurrent_steps={cfg.max_concurrent_steps}")
   if cfg.tile_pipeline and cfg.cluster_n != 1:
     return "tile_pipeline runs without clusters (cluster_n=1)"
+  if cfg.half_tiles and not cfg.tile_pipeline:
+    return "half_tiles is an option of tile_pipeline"
+  if cfg.half_tiles and cfg.block_m % 128:
+    return (f"half_tiles needs block_m a multiple of 128 (wgmma takes rows in 64s), "
+            f"got {cfg.block_m}")
   return None
 
 
@@ -396,6 +400,68 @@ def row_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int, align: int = 8) -
   return jnp.stack([group, load0, first - load0, rows, used]).astype(jnp.int32)
 
 
+def _tile_pipeline(*, stages: int, local_tiles, acc_shape, produced, consumed, tile, load,
+                   mma, store):
+  """All (tile, step) pairs of a CTA as one warp-specialised pipeline (`tile_pipeline` of gmm
+  and tgmm): warpgroup 2 issues the TMA loads, warpgroups 0 and 1 the wgmma. Slot and barrier
+  phase follow a step counter that runs on across tiles in all three alike, so the loads of a
+  tile start as soon as the slots free up, while the compute warpgroups finish and store the
+  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot) issues step
+  kb's copies into `slot`, arriving on produced.at[slot] (2 arrivals); mma(info, kb, slot,
+  acc_ref) issues its wgmma; store(info, acc_ref) writes the tile."""
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+    def one_tile(i, step):
+      info, steps = tile(i)
+
+      def one_step(kb, step):
+        slot = lax.rem(step, stages)
+
+        @pl.when(step >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+
+        load(info, kb, slot)
+        return step + 1
+
+      return lax.fori_loop(0, steps, one_step, step)
+
+    total = lax.fori_loop(0, local_tiles, one_tile, jnp.int32(0))
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _quiesce(step):     # observe the last releases before the barriers are freed
+      plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+    def one_tile(i, step):
+      info, steps = tile(i)
+
+      def run(acc_ref):
+        def one_step(kb, step):
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(produced.at[slot])
+          mma(info, kb, slot, acc_ref)
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[slot])
+          return step + 1
+
+        next_step = lax.fori_loop(0, steps, one_step, step)
+        store(info, acc_ref)
+        return next_step
+
+      return pl.run_scoped(run, plgpu.ACC(acc_shape, jnp.float32))
+
+    lax.fori_loop(0, local_tiles, one_tile, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bool,
             num_sms: int, interpret: bool):
   """Warp-specialised gmm; sizes_ext [G + 1] = group sizes + rows past their sum (the padding
@@ -411,16 +477,41 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   tiles = row_tiles(sizes_ext, bm, grid_m)
   transforms = _transforms(bk, lhs.dtype)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-
   epi = cfg.epilogue_rows or bm
-  def pipeline_state(i, n):
-    """The pipeline-of-pipelines state of a CTA's tile i of n > 1, as a traced value: one
-    pipeline in the kernel serves the first (START), middle (STEADY) and last (STOP) tiles."""
-    return jnp.where(i == 0, int(plgpu.PipelinePipeline.START),
-                     jnp.where(i == n - 1, int(plgpu.PipelinePipeline.STOP),
-                               int(plgpu.PipelinePipeline.STEADY))).astype(jnp.int32)
+  half = bm // 2
 
-  def make_pipeline(body, compute_context, row0, n_idx, state=None):
+  def rhs_half(b_smem, wg):
+    """The compute warpgroup's half of the rhs tile, as wgmma's [bk, bn] operand."""
+    if transpose_rhs:
+      return b_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0))
+    return b_smem.at[:, pl.ds(wg * bn, bn)]
+
+  def rhs_block_at(rhs_g, ki, ni):
+    if transpose_rhs:
+      return rhs_g.at[pl.ds(ni * cta_n, cta_n), pl.ds(ki * bk, bk)]
+    return rhs_g.at[pl.ds(ki * bk, bk), pl.ds(ni * cta_n, cta_n)]
+
+  def store_tile(acc, o_smem, out_gmem, ni, wg, load0, offset, rows, is_pad):
+    """Stores the tile's rows [offset, offset + rows) (zeros for the padding group) through
+    o_smem in slices of epi rows."""
+    for lo in range(0, bm, epi):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(is_pad)
+      def _():
+        o_smem[...] = jnp.zeros((epi, bn), out_dtype)
+
+      @pl.when(jnp.logical_not(is_pad))
+      def _():
+        o_smem[...] = acc[lo:lo + epi]
+
+      plgpu.commit_smem()
+      first = jnp.clip(offset, lo, lo + epi)
+      size = jnp.clip(offset + rows, lo, lo + epi) - first
+      _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], first - lo,
+                  load0 + first, size, epi)
+
+  def make_pipeline(body, compute_context, row0, n_idx):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k // bk,),
@@ -438,7 +529,6 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
         num_compute_wgs=2,
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context,
-        pipeline_state=state,
     )
 
   def body(tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
@@ -449,27 +539,16 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
                        out_smem=plgpu.SMEM((2, epi, bn), out_dtype), collective_axes="wg")
     def _scope(pipeline_allocs, out_smem):
       wg = lax.axis_index("wg")
-      # A pipeline of pipelines must know each CTA's last tile: it loops over the used tiles
-      # only (all tiles past them are empty), the other mode over the static grid.
-      tiles_m = tiles_gmem[4, 0] if cfg.tile_pipeline else grid_m
 
-      @plgpu.nd_loop((tiles_m * grid_n,), collective_axes="cluster_grid")
+      @plgpu.nd_loop((grid_m * grid_n,), collective_axes="cluster_grid")
       def _tile(loop_info: plgpu.NDLoopInfo):
-        mi, nj = plgpu.planar_snake(loop_info.index[0], (tiles_m, grid_n),
+        mi, nj = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n),
                                     cfg.grid_minor_dim, cfg.grid_tile_width)
         ni = nj * c + lax.axis_index("cluster")
-        group = tiles_gmem[0, mi]
-        load0 = tiles_gmem[1, mi]
-        offset = tiles_gmem[2, mi]
-        rows = tiles_gmem[3, mi]
-        is_pad = group == g
+        group, load0, offset, rows = (tiles_gmem[r, mi] for r in range(4))
 
         def mma(_, a_smem, b_smem, acc_ref):
-          if transpose_rhs:
-            b = b_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0))
-          else:
-            b = b_smem.at[:, pl.ds(wg * bn, bn)]
-          plgpu.wgmma(acc_ref, a_smem, b)
+          plgpu.wgmma(acc_ref, a_smem, rhs_half(b_smem, wg))
           plgpu.wgmma_wait(0)
           return acc_ref
 
@@ -477,42 +556,79 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            o_smem = out_smem.at[wg]
-            acc = acc_ref[...].astype(out_dtype)
-            for lo in range(0, bm, epi):     # epilogue slices of epi rows
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg], out_gmem, ni, wg,
+                       load0, offset, rows, group == g)
 
-              @pl.when(is_pad)
-              def _():
-                o_smem[...] = jnp.zeros((epi, bn), out_dtype)
-
-              @pl.when(jnp.logical_not(is_pad))
-              def _():
-                o_smem[...] = acc[lo:lo + epi]
-
-              plgpu.commit_smem()
-              first = jnp.clip(offset, lo, lo + epi)
-              size = jnp.clip(offset + rows, lo, lo + epi) - first
-              _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], first - lo,
-                          load0 + first, size, epi)
-
-        def run(state):
-          make_pipeline(mma, compute_context, load0, ni, state)(
+        @pl.when(rows > 0)
+        def _():
+          make_pipeline(mma, compute_context, load0, ni)(
               lhs_gmem, rhs_gmem.at[jnp.minimum(group, g - 1)], allocations=pipeline_allocs)
-
-        if cfg.tile_pipeline:
-          # A CTA's lone tile runs a whole pipeline; otherwise the first tile starts it and
-          # the last one drains it.
-          i, n = loop_info.local_index, loop_info.num_local_steps
-          pl.when(n == 1)(functools.partial(run, None))
-          pl.when(n > 1)(lambda: run(pipeline_state(i, n)))
-        else:
-          pl.when(rows > 0)(functools.partial(run, None))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  def tile_pipeline_body(tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    """`_tile_pipeline` over the used row tiles only; with half_tiles a tile whose rows fit in
+    its first bm / 2 loads and multiplies those only."""
+    stages = cfg.max_concurrent_steps
+    cta, num_ctas = lax.axis_index("cluster_grid"), num_sms
+    tiles_m = tiles_gmem[4, 0]
+
+    def tile(i):
+      mi, ni = plgpu.planar_snake(cta + i * num_ctas, (tiles_m, grid_n), cfg.grid_minor_dim,
+                                  cfg.grid_tile_width)
+      group, load0, offset, rows = (tiles_gmem[r, mi] for r in range(4))
+      is_half = (offset + rows <= half) if cfg.half_tiles else False
+      return (ni, group, load0, offset, rows, is_half), k // bk
+
+    def when_half(is_half, half_fn, full_fn):
+      if cfg.half_tiles:
+        pl.when(is_half)(half_fn)
+        pl.when(jnp.logical_not(is_half))(full_fn)
+      else:
+        full_fn()
+
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, bm, bk), lhs.dtype, transforms=transforms),
+        b_smem=plgpu.SMEM((stages, *rhs_block), rhs.dtype, transforms=transforms),
+        out_smem=plgpu.SMEM((2, epi, bn), out_dtype),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg")
+    def _scope(a_smem, b_smem, out_smem, produced, consumed):
+      wg = lax.axis_index("wg")
+
+      def load(info, ki, slot):
+        ni, group, load0, _, _, is_half = info
+        cols, row0 = pl.ds(ki * bk, bk), pl.multiple_of(load0, 8)
+        when_half(
+            is_half,
+            lambda: plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, half), cols],
+                                            a_smem.at[slot, pl.ds(0, half)], produced.at[slot]),
+            lambda: plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), cols],
+                                            a_smem.at[slot], produced.at[slot]))
+        plgpu.copy_gmem_to_smem(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
+                                b_smem.at[slot], produced.at[slot])
+
+      def mma(info, _, slot, acc_ref):
+        b = rhs_half(b_smem.at[slot], wg)
+        when_half(info[-1],
+                  lambda: plgpu.wgmma(acc_ref.at[pl.ds(0, half)],
+                                      a_smem.at[slot, pl.ds(0, half)], b),
+                  lambda: plgpu.wgmma(acc_ref, a_smem.at[slot], b))
+
+      def store(info, acc_ref):
+        ni, group, load0, offset, rows, _ = info
+        store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg], out_gmem, ni, wg, load0,
+                   offset, rows, group == g)
+
+      _tile_pipeline(stages=stages,
+                     local_tiles=(tiles_m * grid_n - cta + num_ctas - 1) // num_ctas,
+                     acc_shape=(bm, bn), produced=produced, consumed=consumed, tile=tile,
+                     load=load, mma=mma, store=store)
+
   kernel = plgpu.kernel(
-      body,
+      tile_pipeline_body if cfg.tile_pipeline else body,
       out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(num_sms // c,),
       grid_names=("cluster_grid",),
@@ -611,7 +727,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
 
   def mma_step(kb, steps, first_row, last_row, a_smem, b_smem, acc_ref, wg):
     """One step of a compute warpgroup: mask the rows outside the group (unless the memory
-    warpgroup loaded boundary blocks), then wgmma."""
+    warpgroup loaded boundary blocks), then issue the wgmma."""
     a = a_smem.at[:, pl.ds(wg * bm, bm)]
     if not cfg.boundary_blocks:
       @pl.when(kb == 0)
@@ -623,7 +739,6 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         _mask_rows(a, lambda r: r <= last_row)
 
     plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
-    plgpu.wgmma_wait(0)
 
   def store_tile(acc_ref, o_smem, out_gmem, gi, mi, ni, wg):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -672,6 +787,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
 
         def mma(idxs, a_smem, b_smem, acc_ref):
           mma_step(idxs[0], steps, first_row, last_row, a_smem, b_smem, acc_ref, wg)
+          plgpu.wgmma_wait(0)
           return acc_ref
 
         def compute_context(eval_pipeline):
@@ -687,20 +803,19 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
 
   def tile_pipeline_body(origin_gmem, nblocks_gmem, first_gmem, last_gmem, lhs_gmem, rhs_gmem,
                          *bounds_and_out):
+    """`_tile_pipeline` over the (group, output tile) pairs; with boundary_blocks each group's
+    first and last lhs blocks come from XLA's masked copies (bounds_and_out[0])."""
     *bounds_gmem, out_gmem = bounds_and_out
-    """One pipeline over all (tile, step) pairs of the CTA: slot and barrier phase follow a
-    step counter that runs on across tiles, in the memory and the compute warpgroups alike."""
     stages = cfg.max_concurrent_steps
     cta, num_ctas = lax.axis_index("cluster_grid"), num_sms
-    num_tiles = g * grid_m * grid_n
-    local_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
 
-    def tile_of(i):
+    def tile(i):
       t = cta + i * num_ctas
       gi = t // (grid_m * grid_n)
       mi, ni = plgpu.planar_snake(t % (grid_m * grid_n), (grid_m, grid_n),
                                   cfg.grid_minor_dim, cfg.grid_tile_width)
-      return gi, mi, ni
+      steps = nblocks_gmem[gi]
+      return (gi, mi, ni, steps, origin_gmem[gi], first_gmem[gi], last_gmem[gi]), steps
 
     @functools.partial(
         pl.run_scoped,
@@ -713,77 +828,40 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     def _scope(a_smem, b_smem, out_smem, produced, consumed):
       wg = lax.axis_index("wg")
 
-      @pl.when(wg == 2)
-      def _memory():
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+      def load(info, kb, slot):
+        gi, mi, ni, steps, group_origin, _, _ = info
+        rows, cols = row_slice(group_origin, kb), pl.ds(mi * cta_m, cta_m)
+        if cfg.boundary_blocks:
+          (bounds,) = bounds_gmem
+          first, last = kb == 0, kb == steps - 1
 
-        def tile(i, step):
-          gi, mi, ni = tile_of(i)
-          group_origin, steps = origin_gmem[gi], nblocks_gmem[gi]
+          @pl.when(first | last)
+          def _():
+            block = pl.multiple_of((2 * gi + jnp.where(first, 0, 1)) * bk, bk)
+            plgpu.copy_gmem_to_smem(bounds.at[pl.ds(block, bk), cols], a_smem.at[slot],
+                                    produced.at[slot])
 
-          def load(kb, step):
-            slot = lax.rem(step, stages)
+          @pl.when(jnp.logical_not(first | last))
+          def _():
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot],
+                                    produced.at[slot])
+        else:
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)], b_smem.at[slot],
+                                produced.at[slot])
 
-            @pl.when(step >= stages)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
+      def mma(info, kb, slot, acc_ref):
+        _, _, _, steps, _, first_row, last_row = info
+        mma_step(kb, steps, first_row, last_row, a_smem.at[slot], b_smem.at[slot], acc_ref, wg)
 
-            rows = row_slice(group_origin, kb)
-            cols = pl.ds(mi * cta_m, cta_m)
-            if cfg.boundary_blocks:
-              (bounds,) = bounds_gmem
-              first, last = kb == 0, kb == steps - 1
+      def store(info, acc_ref):
+        gi, mi, ni = info[:3]
+        store_tile(acc_ref, out_smem.at[wg], out_gmem, gi, mi, ni, wg)
 
-              @pl.when(first | last)
-              def _():
-                block = pl.multiple_of((2 * gi + jnp.where(first, 0, 1)) * bk, bk)
-                plgpu.copy_gmem_to_smem(bounds.at[pl.ds(block, bk), cols], a_smem.at[slot],
-                                        produced.at[slot])
-
-              @pl.when(jnp.logical_not(first | last))
-              def _():
-                plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot],
-                                        produced.at[slot])
-            else:
-              plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot],
-                                      produced.at[slot])
-            plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)],
-                                    b_smem.at[slot], produced.at[slot])
-            return step + 1
-
-          return lax.fori_loop(0, steps, load, step)
-
-        total = lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
-
-        @pl.loop(jnp.maximum(total - stages, 0), total)
-        def _quiesce(step):     # observe the last releases before the barriers are freed
-          plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-      @pl.when(wg < 2)
-      def _compute():
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-
-        def tile(i, step):
-          gi, mi, ni = tile_of(i)
-          steps, first_row, last_row = nblocks_gmem[gi], first_gmem[gi], last_gmem[gi]
-
-          def run(acc_ref):
-            def mma(kb, step):
-              slot = lax.rem(step, stages)
-              plgpu.barrier_wait(produced.at[slot])
-              mma_step(kb, steps, first_row, last_row, a_smem.at[slot], b_smem.at[slot],
-                       acc_ref, wg)
-              plgpu.barrier_arrive(consumed.at[slot])
-              return step + 1
-
-            next_step = lax.fori_loop(0, steps, mma, step)
-            store_tile(acc_ref, out_smem.at[wg], out_gmem, gi, mi, ni, wg)
-            return next_step
-
-          return pl.run_scoped(run, plgpu.ACC((bm, bn), jnp.float32))
-
-        lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _tile_pipeline(stages=stages,
+                     local_tiles=(g * grid_m * grid_n - cta + num_ctas - 1) // num_ctas,
+                     acc_shape=(bm, bn), produced=produced, consumed=consumed, tile=tile,
+                     load=load, mma=mma, store=store)
 
   kernel = plgpu.kernel(
       tile_pipeline_body if cfg.tile_pipeline else body,

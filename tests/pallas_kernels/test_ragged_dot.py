@@ -187,7 +187,7 @@ PIPELINE_CASES = dict(CASES, three_tiles=(80, (40, 32, 8)))
 @pytest.mark.parametrize("case", sorted(PIPELINE_CASES))
 @pytest.mark.parametrize("epilogue_rows", [None, 16])
 def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
-  """tile_pipeline: each simulated SM runs its tiles as one pipeline of pipelines;
+  """tile_pipeline: each simulated SM runs all its (tile, step) pairs as one pipeline;
   epilogue_rows stores each tile in row slices, which cut through partial tiles and group
   boundaries."""
   x, w, ct, gs = inputs(case, cases=PIPELINE_CASES)
@@ -203,12 +203,34 @@ def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
   assert not np.any(np.asarray(out[pad], np.float32))
 
 
-def test_tile_pipeline_needs_whole_pipelines_per_tile():
+# Row tiles of 128 (from each group's start rounded down to 8; offset + rows per tile):
+# pad_rows 37, 5 + 1, 6 + 101, 3 + 51 and the padding group 6 + 13: all but one fit in the
+# first 64 rows (half tiles); full 0 + 64 (exactly half), 0 + 1, 1 + 90 (whole), 3 + 37.
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("half_tiles", [False, True])
+def test_tile_pipeline_half_tiles(case, half_tiles):
+  """gmm's tile_pipeline with 128-row tiles, three stages over two steps per tile (slots and
+  barrier phases run on across tiles); half_tiles loads and multiplies only the first 64 rows
+  of the tiles whose rows fit there."""
+  x, w, ct, gs = inputs(case)
+  cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=64, max_concurrent_steps=3,
+                             tile_pipeline=True, half_tiles=half_tiles)
+  sizes = CASES[case][1]
+  want_out, want_dx, _ = oracle(x, w, ct, sizes)
+  out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
+  d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
+  assert rel_err(out, want_out) < BF16_TOL
+  assert rel_err(d_lhs, want_dx) < BF16_TOL
+  assert not np.any(np.asarray(out[sum(sizes):], np.float32))
+
+
+def test_tile_pipeline_config_errors():
   x, w, _, gs = inputs("full")
-  three = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=3,
-                               tile_pipeline=True)
-  assert "multiple of max_concurrent_steps=3" in mosaic_gpu.supports_gmm(
-      x, w, gs, interpret=True, config=three)
+  alone = mosaic_gpu.GmmConfig(block_m=128, block_n=64, half_tiles=True)
+  assert "option of tile_pipeline" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True,
+                                                              config=alone)
+  small = mosaic_gpu.GmmConfig(block_m=64, block_n=64, tile_pipeline=True, half_tiles=True)
+  assert "multiple of 128" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=small)
   odd = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, epilogue_rows=24)
   assert "epilogue_rows=24" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=odd)
 
@@ -304,14 +326,14 @@ def test_kernels_lower_for_hopper(monkeypatch, g, m, k, n):
 
 
 def test_tile_pipeline_lowers_for_hopper(monkeypatch):
-  """The pipelined-tiles gmm at the k3_small expert shape (K = 512: 8 steps of 64, 4 stages,
-  which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
+  """The pipelined-tiles gmm with half tiles at the k3_small expert shape (K = 512: 8 steps of
+  64, 4 stages, which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda interpret: 132)
   g, m, k, n = 64, 131072, 512, 1024
   cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4,
                              grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True,
-                             epilogue_rows=64)
+                             half_tiles=True, epilogue_rows=64)
   bf16 = jnp.bfloat16
   assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
   s = lambda *shape: jax.ShapeDtypeStruct(shape, bf16)
