@@ -15,9 +15,9 @@
 #   bash benchmarks/h200_baseline.sh moe_kernels           # ~5 min: ragged_dot GPU tests, quick tile sweeps
 #   bash benchmarks/h200_baseline.sh moe_tgmm              # ~4 min: d_rhs quick sweep at the 3 K3 shapes,
 #                                                          # then where d_rhs's time goes (tgmm_costs)
-#   bash benchmarks/h200_baseline.sh moe_gmm_tiles         # ~5 min: ragged_dot GPU tests, fwd/d_lhs quick
+#   bash benchmarks/h200_baseline.sh moe_gmm_tiles         # ~7 min: ragged_dot GPU tests, fwd/d_lhs quick
 #                                                          # sweeps (tile_pipeline, half_tiles) at the 3 K3
-#                                                          # shapes and k3_small
+#                                                          # shapes and k3_small, tgmm_costs (balance)
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
@@ -123,6 +123,8 @@ PY
           > $OUT/autotune_gmm_$set.log 2>&1
         grep -E "==|TFLOP|FAIL" $OUT/autotune_gmm_$set.log | cut -c1-200
       done
+      timeout 150 python3 -m benchmarks.tgmm_costs --out=$OUT/tgmm_costs.json 2>&1 \
+        | tee $OUT/tgmm_costs.log | grep TFLOP
       ;;
     moe_gemm)
       timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \

@@ -85,7 +85,7 @@ def test_tgmm_costs_times_every_variant_in_the_interpreter(tmp_path):
   recs = records(out)
   assert [r["variant"] for r in recs] == ["table", "masks", "no_masks", "aligned",
                                           "aligned_no_masks", "uniform", "no_group_rows",
-                                          "no_tile_pipeline", "neither"]
+                                          "no_tile_pipeline", "neither", "balance"]
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 

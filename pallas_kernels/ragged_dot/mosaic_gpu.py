@@ -90,7 +90,10 @@ class TgmmConfig:
   pipelines over the per-group step counts of tgmm; needs cluster_n = 1).
   With tile_pipeline, boundary_blocks = True has XLA gather each group's first and last lhs
   row block with the rows outside the group zeroed ([G * 2 * block_k, K]: 2 * block_k rows
-  per group), which the memory warpgroup loads in their place: no row masks in the kernel."""
+  per group), which the memory warpgroup loads in their place: no row masks in the kernel.
+  With tile_pipeline, balance = True deals each group's output tiles to the CTAs in order of
+  the steps they hold so far (`balanced_tiles`) instead of round robin, so that the CTAs that
+  take a group's extra tiles are the least loaded ones (groups differ in steps per tile)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -102,6 +105,7 @@ class TgmmConfig:
   group_rows: bool = False
   tile_pipeline: bool = False
   boundary_blocks: bool = False
+  balance: bool = False
 
 
 def is_hopper() -> bool:
@@ -309,8 +313,8 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
     return "group_rows, tile_pipeline and boundary_blocks are options of the 'ws' kernel"
   if cfg.tile_pipeline and cfg.cluster_n != 1:
     return "tile_pipeline runs without clusters (cluster_n=1)"
-  if cfg.boundary_blocks and not cfg.tile_pipeline:
-    return "boundary_blocks is an option of tile_pipeline"
+  if (cfg.boundary_blocks or cfg.balance) and not cfg.tile_pipeline:
+    return "boundary_blocks and balance are options of tile_pipeline"
   if cfg.kernel == "jax":
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
       return "JAX's transposed_ragged_dot_mgpu writes the input dtype only"
@@ -694,6 +698,28 @@ def _boundary_blocks(lhs, starts, ends, row0, num_blocks, bk: int) -> jax.Array:
   return jnp.where(keep.reshape(-1, 1), blocks, jnp.zeros((), lhs.dtype))
 
 
+def balanced_tiles(steps: jax.Array, tiles_per_group: int, num_ctas: int,
+                   tile_cost: int = 3) -> tuple[jax.Array, jax.Array]:
+  """Which output tiles of tgmm each CTA runs: tile t = g * tiles_per_group + j. Group by
+  group, the CTAs are ranked by their load so far (steps + tile_cost per tile, tile_cost ~
+  the measured per-tile cost in steps) and tile j goes to the CTA of rank j % num_ctas, so the
+  least loaded CTAs take the group's tiles past a whole round. Returns int32 [num_ctas, L]
+  (each row in group order, -1 past its count) and the counts [num_ctas]."""
+  base, extra = divmod(tiles_per_group, num_ctas)
+
+  def one_group(load, group_steps):
+    rank = jnp.argsort(jnp.argsort(load, stable=True), stable=True).astype(jnp.int32)
+    return load + (base + (rank < extra)) * (group_steps + tile_cost), rank
+
+  _, ranks = lax.scan(one_group, jnp.zeros((num_ctas,), jnp.int32), steps)      # [G, C]
+  j = ranks[:, :, None] + num_ctas * jnp.arange(base + (extra > 0), dtype=jnp.int32)
+  group = jnp.arange(steps.shape[0], dtype=jnp.int32)[:, None, None]
+  tiles = jnp.where(j < tiles_per_group, group * tiles_per_group + j, -1)
+  tiles = tiles.transpose(1, 0, 2).reshape(num_ctas, -1)                       # group order
+  table = jnp.take_along_axis(tiles, jnp.argsort(tiles < 0, axis=1, stable=True), axis=1)
+  return table, jnp.sum(tiles >= 0, axis=1).astype(jnp.int32)
+
+
 def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dtype,
              num_sms: int, interpret: bool):
   """Warp-specialised tgmm; the compute warpgroups split the K rows of each output tile."""
@@ -802,15 +828,20 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def tile_pipeline_body(origin_gmem, nblocks_gmem, first_gmem, last_gmem, lhs_gmem, rhs_gmem,
-                         *bounds_and_out):
+                         *extras_and_out):
     """`_tile_pipeline` over the (group, output tile) pairs; with boundary_blocks each group's
-    first and last lhs blocks come from XLA's masked copies (bounds_and_out[0])."""
-    *bounds_gmem, out_gmem = bounds_and_out
+    first and last lhs blocks come from XLA's masked copies, with balance each CTA's tiles
+    from its row of XLA's table."""
+    *extras, out_gmem = extras_and_out
+    extras = iter(extras)
+    bounds = next(extras) if cfg.boundary_blocks else None
+    table, counts = (next(extras), next(extras)) if cfg.balance else (None, None)
     stages = cfg.max_concurrent_steps
     cta, num_ctas = lax.axis_index("cluster_grid"), num_sms
+    num_tiles = g * grid_m * grid_n
 
     def tile(i):
-      t = cta + i * num_ctas
+      t = table[cta, i] if cfg.balance else cta + i * num_ctas
       gi = t // (grid_m * grid_n)
       mi, ni = plgpu.planar_snake(t % (grid_m * grid_n), (grid_m, grid_n),
                                   cfg.grid_minor_dim, cfg.grid_tile_width)
@@ -832,7 +863,6 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         gi, mi, ni, steps, group_origin, _, _ = info
         rows, cols = row_slice(group_origin, kb), pl.ds(mi * cta_m, cta_m)
         if cfg.boundary_blocks:
-          (bounds,) = bounds_gmem
           first, last = kb == 0, kb == steps - 1
 
           @pl.when(first | last)
@@ -859,7 +889,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         store_tile(acc_ref, out_smem.at[wg], out_gmem, gi, mi, ni, wg)
 
       _tile_pipeline(stages=stages,
-                     local_tiles=(g * grid_m * grid_n - cta + num_ctas - 1) // num_ctas,
+                     local_tiles=(counts[cta] if cfg.balance
+                                  else (num_tiles - cta + num_ctas - 1) // num_ctas),
                      acc_shape=(bm, bn), produced=produced, consumed=consumed, tile=tile,
                      load=load, mma=mma, store=store)
 
@@ -876,9 +907,12 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=_interpret_params(interpret),
   )
-  bounds = (_boundary_blocks(lhs, starts, ends, row0, num_blocks, bk),) \
-      if cfg.boundary_blocks else ()
-  return kernel(origin, num_blocks, first_row, last_row, lhs, rhs, *bounds)
+  extras = []
+  if cfg.boundary_blocks:
+    extras.append(_boundary_blocks(lhs, starts, ends, row0, num_blocks, bk))
+  if cfg.balance:
+    extras += balanced_tiles(num_blocks, grid_m * grid_n, num_sms)
+  return kernel(origin, num_blocks, first_row, last_row, lhs, rhs, *extras)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

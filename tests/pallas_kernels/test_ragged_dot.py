@@ -154,17 +154,19 @@ def test_tgmm_group_rows(case):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("group_rows,boundary_blocks",
-                         [(False, False), (True, False), (False, True), (True, True)])
-def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks):
+@pytest.mark.parametrize("group_rows,boundary_blocks,balance",
+                         [(False, False, False), (True, False, False), (False, True, False),
+                          (True, True, True)])
+def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks, balance):
   """tgmm's tile_pipeline: one pipeline over all (tile, step) pairs of a simulated SM, whose
   slots and barrier phases run on across tiles of different groups (and empty groups); with
   boundary_blocks the first and last blocks of each group come masked from XLA (one-row
-  groups: one block, both)."""
+  groups: one block, both); with balance each simulated SM runs the tiles of its row of
+  `balanced_tiles`."""
   x, w, ct, gs = inputs(case)
   cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
                               group_rows=group_rows, tile_pipeline=True,
-                              boundary_blocks=boundary_blocks)
+                              boundary_blocks=boundary_blocks, balance=balance)
   d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
   want = oracle(x, w, ct, CASES[case][1])[2]
   for g, size in enumerate(CASES[case][1]):
@@ -175,8 +177,29 @@ def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks):
   clustered = dataclasses.replace(cfg, cluster_n=2)
   assert "cluster_n=1" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=clustered)
   per_tile = dataclasses.replace(cfg, tile_pipeline=False, boundary_blocks=True)
-  assert "option of tile_pipeline" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True,
-                                                               config=per_tile)
+  assert "options of tile_pipeline" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True,
+                                                                config=per_tile)
+
+
+def test_balanced_tiles_deal_every_tile_once_and_level_the_load():
+  """balanced_tiles at the G32 K3584 N3072 shape's tiles (336 per group, 132 CTAs) with
+  uneven steps per group: each tile once, each CTA's tiles in group order, and a lower
+  maximum load than round robin (t % 132), which the kernel's time follows."""
+  rng = np.random.default_rng(0)
+  steps = np.maximum(rng.exponential(16.0, 32).round(), 0).astype(np.int32)
+  steps[5] = 0                                    # an empty group still stores its tiles
+  tpg, ctas, cost = 336, 132, 3
+  table, counts = mosaic_gpu.balanced_tiles(jnp.asarray(steps), tpg, ctas, tile_cost=cost)
+  table, counts = np.asarray(table), np.asarray(counts)
+  dealt = [table[c, :counts[c]] for c in range(ctas)]
+  assert all(np.all(table[c, counts[c]:] == -1) for c in range(ctas))
+  assert sorted(np.concatenate(dealt).tolist()) == list(range(32 * tpg))
+  assert all(np.all(np.diff(row // tpg) >= 0) for row in dealt)
+  tile_load = np.repeat(steps + cost, tpg)
+  balanced = max(tile_load[row].sum() for row in dealt)
+  round_robin = max(tile_load[c::ctas].sum() for c in range(ctas))
+  assert balanced < round_robin, (balanced, round_robin)
+  assert balanced <= tile_load.sum() / ctas + (steps.max() + cost), balanced
 
 
 # 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),

@@ -79,6 +79,8 @@ TGMM_CONFIGS = [
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, tile_pipeline=True),
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, tile_pipeline=True,
                           boundary_blocks=True),
+    mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, tile_pipeline=True,
+                          group_rows=True, boundary_blocks=True, balance=True),
     mosaic_gpu.TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=4, grid_minor_dim=0,
                           grid_tile_width=4, group_rows=True, tile_pipeline=True),
 ]
