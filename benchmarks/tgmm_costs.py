@@ -18,9 +18,10 @@ pipeline fill. Each variant adds or removes one of these, in one process on the 
   rows of the previous group; half a block more per group and tile);
 - "no_tile_pipeline": one pipeline per output tile (a pipeline fill per tile; masks);
 - "neither": without group_rows and tile_pipeline (the table config before session 18);
-- "balance": the table config with `TgmmConfig.balance` (tiles dealt to the CTAs by load
-  instead of round robin; with Dirichlet sizes the most loaded CTA holds 2.6% more than the
-  mean at G32 round robin, 0.8% balanced, by the tile counts).
+- "balance": the table config with `TgmmConfig.balance` (groups in order of falling steps,
+  tiles dealt serpentine instead of round robin; with Dirichlet sizes, by the tile counts
+  over five seeds, the most loaded CTA holds 3.6% / 5.8% more than the mean at G32 / G8
+  round robin and 1.1% / 3.8% dealt so).
 
   python3 -m benchmarks.tgmm_costs [--out=$OUT/tgmm_costs.json]
 --shapes=toy --interpret runs G 2, M = K = N = 256 in the Mosaic GPU interpreter (CPU; the

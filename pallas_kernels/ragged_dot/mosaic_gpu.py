@@ -91,9 +91,9 @@ class TgmmConfig:
   With tile_pipeline, boundary_blocks = True has XLA gather each group's first and last lhs
   row block with the rows outside the group zeroed ([G * 2 * block_k, K]: 2 * block_k rows
   per group), which the memory warpgroup loads in their place: no row masks in the kernel.
-  With tile_pipeline, balance = True deals each group's output tiles to the CTAs in order of
-  the steps they hold so far (`balanced_tiles`) instead of round robin, so that the CTAs that
-  take a group's extra tiles are the least loaded ones (groups differ in steps per tile)."""
+  With tile_pipeline, balance = True takes the groups in order of falling steps per tile and
+  deals their output tiles serpentine (`serpentine_tile`) instead of round robin in group
+  order: groups differ in steps per tile, and round robin can leave one CTA many dear tiles."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -698,26 +698,17 @@ def _boundary_blocks(lhs, starts, ends, row0, num_blocks, bk: int) -> jax.Array:
   return jnp.where(keep.reshape(-1, 1), blocks, jnp.zeros((), lhs.dtype))
 
 
-def balanced_tiles(steps: jax.Array, tiles_per_group: int, num_ctas: int,
-                   tile_cost: int = 3) -> tuple[jax.Array, jax.Array]:
-  """Which output tiles of tgmm each CTA runs: tile t = g * tiles_per_group + j. Group by
-  group, the CTAs are ranked by their load so far (steps + tile_cost per tile, tile_cost ~
-  the measured per-tile cost in steps) and tile j goes to the CTA of rank j % num_ctas, so the
-  least loaded CTAs take the group's tiles past a whole round. Returns int32 [num_ctas, L]
-  (each row in group order, -1 past its count) and the counts [num_ctas]."""
-  base, extra = divmod(tiles_per_group, num_ctas)
+def serpentine_tile(i, cta, num_ctas: int):
+  """Position of CTA cta's i-th tile when tiles are dealt in rounds of num_ctas, every other
+  round in reverse (a serpentine draft: dealt in order of falling cost, no CTA takes the
+  first, dearest tile of every round)."""
+  return i * num_ctas + jnp.where(lax.rem(i, 2) == 0, cta, num_ctas - 1 - cta)
 
-  def one_group(load, group_steps):
-    rank = jnp.argsort(jnp.argsort(load, stable=True), stable=True).astype(jnp.int32)
-    return load + (base + (rank < extra)) * (group_steps + tile_cost), rank
 
-  _, ranks = lax.scan(one_group, jnp.zeros((num_ctas,), jnp.int32), steps)      # [G, C]
-  j = ranks[:, :, None] + num_ctas * jnp.arange(base + (extra > 0), dtype=jnp.int32)
-  group = jnp.arange(steps.shape[0], dtype=jnp.int32)[:, None, None]
-  tiles = jnp.where(j < tiles_per_group, group * tiles_per_group + j, -1)
-  tiles = tiles.transpose(1, 0, 2).reshape(num_ctas, -1)                       # group order
-  table = jnp.take_along_axis(tiles, jnp.argsort(tiles < 0, axis=1, stable=True), axis=1)
-  return table, jnp.sum(tiles >= 0, axis=1).astype(jnp.int32)
+def serpentine_count(num_tiles, cta, num_ctas: int):
+  """How many of num_tiles serpentine-dealt tiles CTA cta takes."""
+  rounds, rem = num_tiles // num_ctas, lax.rem(num_tiles, num_ctas)
+  return rounds + (jnp.where(lax.rem(rounds, 2) == 0, cta, num_ctas - 1 - cta) < rem)
 
 
 def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dtype,
@@ -835,14 +826,18 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     *extras, out_gmem = extras_and_out
     extras = iter(extras)
     bounds = next(extras) if cfg.boundary_blocks else None
-    table, counts = (next(extras), next(extras)) if cfg.balance else (None, None)
+    group_order = next(extras) if cfg.balance else None
     stages = cfg.max_concurrent_steps
     cta, num_ctas = lax.axis_index("cluster_grid"), num_sms
     num_tiles = g * grid_m * grid_n
 
     def tile(i):
-      t = table[cta, i] if cfg.balance else cta + i * num_ctas
-      gi = t // (grid_m * grid_n)
+      if cfg.balance:
+        t = serpentine_tile(i, cta, num_ctas)
+        gi = group_order[t // (grid_m * grid_n)]
+      else:
+        t = cta + i * num_ctas
+        gi = t // (grid_m * grid_n)
       mi, ni = plgpu.planar_snake(t % (grid_m * grid_n), (grid_m, grid_n),
                                   cfg.grid_minor_dim, cfg.grid_tile_width)
       steps = nblocks_gmem[gi]
@@ -889,7 +884,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         store_tile(acc_ref, out_smem.at[wg], out_gmem, gi, mi, ni, wg)
 
       _tile_pipeline(stages=stages,
-                     local_tiles=(counts[cta] if cfg.balance
+                     local_tiles=(serpentine_count(num_tiles, cta, num_ctas) if cfg.balance
                                   else (num_tiles - cta + num_ctas - 1) // num_ctas),
                      acc_shape=(bm, bn), produced=produced, consumed=consumed, tile=tile,
                      load=load, mma=mma, store=store)
@@ -910,8 +905,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
   extras = []
   if cfg.boundary_blocks:
     extras.append(_boundary_blocks(lhs, starts, ends, row0, num_blocks, bk))
-  if cfg.balance:
-    extras += balanced_tiles(num_blocks, grid_m * grid_n, num_sms)
+  if cfg.balance:     # groups by falling steps (ties in group order)
+    extras.append(jnp.argsort(-num_blocks, stable=True).astype(jnp.int32))
   return kernel(origin, num_blocks, first_row, last_row, lhs, rhs, *extras)
 
 

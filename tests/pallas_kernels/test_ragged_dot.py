@@ -161,8 +161,8 @@ def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks, balance):
   """tgmm's tile_pipeline: one pipeline over all (tile, step) pairs of a simulated SM, whose
   slots and barrier phases run on across tiles of different groups (and empty groups); with
   boundary_blocks the first and last blocks of each group come masked from XLA (one-row
-  groups: one block, both); with balance each simulated SM runs the tiles of its row of
-  `balanced_tiles`."""
+  groups: one block, both); with balance the groups go in order of falling steps, their
+  tiles dealt serpentine over the simulated SMs."""
   x, w, ct, gs = inputs(case)
   cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
                               group_rows=group_rows, tile_pipeline=True,
@@ -181,25 +181,29 @@ def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks, balance):
                                                                 config=per_tile)
 
 
-def test_balanced_tiles_deal_every_tile_once_and_level_the_load():
-  """balanced_tiles at the G32 K3584 N3072 shape's tiles (336 per group, 132 CTAs) with
-  uneven steps per group: each tile once, each CTA's tiles in group order, and a lower
-  maximum load than round robin (t % 132), which the kernel's time follows."""
-  rng = np.random.default_rng(0)
-  steps = np.maximum(rng.exponential(16.0, 32).round(), 0).astype(np.int32)
-  steps[5] = 0                                    # an empty group still stores its tiles
-  tpg, ctas, cost = 336, 132, 3
-  table, counts = mosaic_gpu.balanced_tiles(jnp.asarray(steps), tpg, ctas, tile_cost=cost)
-  table, counts = np.asarray(table), np.asarray(counts)
-  dealt = [table[c, :counts[c]] for c in range(ctas)]
-  assert all(np.all(table[c, counts[c]:] == -1) for c in range(ctas))
-  assert sorted(np.concatenate(dealt).tolist()) == list(range(32 * tpg))
-  assert all(np.all(np.diff(row // tpg) >= 0) for row in dealt)
-  tile_load = np.repeat(steps + cost, tpg)
-  balanced = max(tile_load[row].sum() for row in dealt)
-  round_robin = max(tile_load[c::ctas].sum() for c in range(ctas))
-  assert balanced < round_robin, (balanced, round_robin)
-  assert balanced <= tile_load.sum() / ctas + (steps.max() + cost), balanced
+@pytest.mark.parametrize("num_tiles", [32 * 336, 8 * 672, 64 * 16, 5])
+def test_serpentine_deal_covers_every_tile_once_and_levels_the_load(num_tiles):
+  """balance's deal: the serpentine positions of each CTA's tiles cover every tile once, and
+  for tiles in order of falling cost (here the K3 shapes' and k3_small's tile counts per
+  group with Dirichlet group sizes, steps + 3 per tile) the most loaded CTA holds less than
+  with round robin, in group order or in the same order of falling cost."""
+  ctas = 132
+  counts = [int(mosaic_gpu.serpentine_count(num_tiles, c, ctas)) for c in range(ctas)]
+  dealt = [np.asarray(mosaic_gpu.serpentine_tile(np.arange(n), c, ctas))
+           for c, n in enumerate(counts)]
+  assert sorted(np.concatenate(dealt).tolist()) == list(range(num_tiles))
+  groups = {32 * 336: 32, 8 * 672: 8, 64 * 16: 64}.get(num_tiles)
+  if groups is None:
+    return
+  sizes = np.random.default_rng(1).dirichlet(np.ones(groups)) * num_tiles * 4
+  steps = np.ceil(sizes / 64) + 3
+  cost = np.repeat(steps, num_tiles // groups)                  # group order
+  by_cost = np.repeat(np.sort(steps)[::-1], num_tiles // groups)
+  serpentine = max(by_cost[d].sum() for d in dealt)
+  round_robin = max(cost[c::ctas].sum() for c in range(ctas))
+  sorted_round_robin = max(by_cost[c::ctas].sum() for c in range(ctas))
+  assert serpentine < min(round_robin, sorted_round_robin), (
+      serpentine, round_robin, sorted_round_robin)
 
 
 # 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),
