@@ -8,8 +8,9 @@ Two kernels per product, picked by the config's `kernel` field:
          Output dtype = input dtype; rows past sum(group_sizes) are zeroed by a jnp.where.
   "ws":  ours, written for this repo from the same two examples plus the warp-specialised
          pipeline of `hopper_matmul_mgpu`: one memory warpgroup issues the TMA loads
-         (`plgpu.emit_pipeline_warp_specialized`), two compute warpgroups issue wgmma on two
-         halves of the tile, and the epilogue of one tile overlaps the next tile's loads.
+         (`plgpu.emit_pipeline_warp_specialized`, or with `tile_pipeline` one hand-written
+         pipeline over all of a CTA's tiles, `_tile_pipeline`), two compute warpgroups issue
+         wgmma on two halves of the tile.
          gmm row tiles start at each group's first row (as CUTLASS grouped GEMM: about
          G * block_m / 2 wasted rows, against G * block_m for ragged_dot_mgpu's tiles that
          straddle two groups and are computed once per group); the partial last tile of a
