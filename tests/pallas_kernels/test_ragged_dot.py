@@ -251,6 +251,23 @@ def test_tile_pipeline_half_tiles(case, half_tiles):
   assert not np.any(np.asarray(out[sum(sizes):], np.float32))
 
 
+def test_tile_pipelines_with_an_idle_sm():
+  """One tile for two simulated SMs: the second SM's pipeline has no tiles at all (gmm: one
+  row tile of 128 and one N tile; tgmm: one group, one output tile)."""
+  cases = {"one_tile": (128, (128,))}
+  x, w, ct, gs = inputs("one_tile", cases=cases)
+  gmm_cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=64, max_concurrent_steps=2,
+                                 tile_pipeline=True, half_tiles=True)
+  tgmm_cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=2,
+                                   group_rows=True, tile_pipeline=True, boundary_blocks=True,
+                                   balance=True)
+  got = (mosaic_gpu.gmm(x, w, gs, interpret=True, config=gmm_cfg),
+         mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=tgmm_cfg))
+  want_out, _, want_dw = oracle(x, w, ct, cases["one_tile"][1])
+  assert rel_err(got[0], want_out) < BF16_TOL
+  assert rel_err(got[1], want_dw) < BF16_TOL
+
+
 def test_tile_pipeline_config_errors():
   x, w, _, gs = inputs("full")
   alone = mosaic_gpu.GmmConfig(block_m=128, block_n=64, half_tiles=True)
