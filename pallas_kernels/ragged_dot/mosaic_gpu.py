@@ -405,15 +405,25 @@ def row_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int, align: int = 8) -
   return jnp.stack([group, load0, first - load0, rows, used]).astype(jnp.int32)
 
 
-def _tile_pipeline(*, stages: int, local_tiles, acc_shape, produced, consumed, tile, load,
-                   mma, store):
+def _tile_pipeline(*, stages: int, local_tiles, acc_shape, tile, load, mma, store):
   """All (tile, step) pairs of a CTA as one warp-specialised pipeline (`tile_pipeline` of gmm
   and tgmm): warpgroup 2 issues the TMA loads, warpgroups 0 and 1 the wgmma. Slot and barrier
   phase follow a step counter that runs on across tiles in all three alike, so the loads of a
   tile start as soon as the slots free up, while the compute warpgroups finish and store the
-  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot) issues step
-  kb's copies into `slot`, arriving on produced.at[slot] (2 arrivals); mma(info, kb, slot,
-  acc_ref) issues its wgmma; store(info, acc_ref) writes the tile."""
+  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot, barrier)
+  issues step kb's two copies into `slot`, both arriving on `barrier`; mma(info, kb, slot,
+  acc_ref) issues its wgmma; store(info, acc_ref) writes the tile. Allocates the barriers
+  (call it inside the caller's `pl.run_scoped` of the SMEM slots)."""
+  pl.run_scoped(
+      functools.partial(_tile_pipeline_scoped, stages=stages, local_tiles=local_tiles,
+                        acc_shape=acc_shape, tile=tile, load=load, mma=mma, store=store),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      collective_axes="wg")
+
+
+def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, store, produced,
+                          consumed):
   wg = lax.axis_index("wg")
 
   @pl.when(wg == 2)
@@ -430,7 +440,7 @@ def _tile_pipeline(*, stages: int, local_tiles, acc_shape, produced, consumed, t
         def _():
           plgpu.barrier_wait(consumed.at[slot])
 
-        load(info, kb, slot)
+        load(info, kb, slot, produced.at[slot])
         return step + 1
 
       return lax.fori_loop(0, steps, one_step, step)
@@ -597,23 +607,21 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
         a_smem=plgpu.SMEM((stages, bm, bk), lhs.dtype, transforms=transforms),
         b_smem=plgpu.SMEM((stages, *rhs_block), rhs.dtype, transforms=transforms),
         out_smem=plgpu.SMEM((2, epi, bn), out_dtype),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         collective_axes="wg")
-    def _scope(a_smem, b_smem, out_smem, produced, consumed):
+    def _scope(a_smem, b_smem, out_smem):
       wg = lax.axis_index("wg")
 
-      def load(info, ki, slot):
+      def load(info, ki, slot, barrier):
         ni, group, load0, _, _, is_half = info
         cols, row0 = pl.ds(ki * bk, bk), pl.multiple_of(load0, 8)
         when_half(
             is_half,
             lambda: plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, half), cols],
-                                            a_smem.at[slot, pl.ds(0, half)], produced.at[slot]),
+                                            a_smem.at[slot, pl.ds(0, half)], barrier),
             lambda: plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), cols],
-                                            a_smem.at[slot], produced.at[slot]))
+                                            a_smem.at[slot], barrier))
         plgpu.copy_gmem_to_smem(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
-                                b_smem.at[slot], produced.at[slot])
+                                b_smem.at[slot], barrier)
 
       def mma(info, _, slot, acc_ref):
         b = rhs_half(b_smem.at[slot], wg)
@@ -629,8 +637,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
 
       _tile_pipeline(stages=stages,
                      local_tiles=(tiles_m * grid_n - cta + num_ctas - 1) // num_ctas,
-                     acc_shape=(bm, bn), produced=produced, consumed=consumed, tile=tile,
-                     load=load, mma=mma, store=store)
+                     acc_shape=(bm, bn), tile=tile, load=load, mma=mma, store=store)
 
   kernel = plgpu.kernel(
       tile_pipeline_body if cfg.tile_pipeline else body,
@@ -849,13 +856,11 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
         a_smem=plgpu.SMEM((stages, bk, cta_m), lhs.dtype, transforms=lhs_transforms),
         b_smem=plgpu.SMEM((stages, bk, bn), rhs.dtype, transforms=rhs_transforms),
         out_smem=plgpu.SMEM((2, bm, bn), out_dtype, transforms=out_transforms),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         collective_axes="wg")
-    def _scope(a_smem, b_smem, out_smem, produced, consumed):
+    def _scope(a_smem, b_smem, out_smem):
       wg = lax.axis_index("wg")
 
-      def load(info, kb, slot):
+      def load(info, kb, slot, barrier):
         gi, mi, ni, steps, group_origin, _, _ = info
         rows, cols = row_slice(group_origin, kb), pl.ds(mi * cta_m, cta_m)
         if cfg.boundary_blocks:
@@ -864,17 +869,14 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
           @pl.when(first | last)
           def _():
             block = pl.multiple_of((2 * gi + jnp.where(first, 0, 1)) * bk, bk)
-            plgpu.copy_gmem_to_smem(bounds.at[pl.ds(block, bk), cols], a_smem.at[slot],
-                                    produced.at[slot])
+            plgpu.copy_gmem_to_smem(bounds.at[pl.ds(block, bk), cols], a_smem.at[slot], barrier)
 
           @pl.when(jnp.logical_not(first | last))
           def _():
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot],
-                                    produced.at[slot])
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot], barrier)
         else:
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot], produced.at[slot])
-        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)], b_smem.at[slot],
-                                produced.at[slot])
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)], b_smem.at[slot], barrier)
 
       def mma(info, kb, slot, acc_ref):
         _, _, _, steps, _, first_row, last_row = info
@@ -887,8 +889,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
       _tile_pipeline(stages=stages,
                      local_tiles=(serpentine_count(num_tiles, cta, num_ctas) if cfg.balance
                                   else (num_tiles - cta + num_ctas - 1) // num_ctas),
-                     acc_shape=(bm, bn), produced=produced, consumed=consumed, tile=tile,
-                     load=load, mma=mma, store=store)
+                     acc_shape=(bm, bn), tile=tile, load=load, mma=mma, store=store)
 
   kernel = plgpu.kernel(
       tile_pipeline_body if cfg.tile_pipeline else body,

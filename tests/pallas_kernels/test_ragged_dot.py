@@ -206,6 +206,17 @@ def test_serpentine_deal_covers_every_tile_once_and_levels_the_load(num_tiles):
       serpentine, round_robin, sorted_round_robin)
 
 
+def check_gmm_products(x, w, ct, gs, sizes, cfg):
+  """gmm's forward and d_lhs with `cfg` in the interpreter against the fp64 oracle; the rows
+  past sum(sizes) are zero."""
+  want_out, want_dx, _ = oracle(x, w, ct, sizes)
+  out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
+  d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
+  assert rel_err(out, want_out) < BF16_TOL
+  assert rel_err(d_lhs, want_dx) < BF16_TOL
+  assert not np.any(np.asarray(out[sum(sizes):], np.float32))
+
+
 # 64-row tiles over the 2 simulated SMs: pad_rows 6 tiles (3 per SM: first, middle, last),
 # full 5, three_tiles 3 (one SM runs a single tile, a whole pipeline).
 PIPELINE_CASES = dict(CASES, three_tiles=(80, (40, 32, 8)))
@@ -217,17 +228,9 @@ def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
   """tile_pipeline: each simulated SM runs all its (tile, step) pairs as one pipeline;
   epilogue_rows stores each tile in row slices, which cut through partial tiles and group
   boundaries."""
-  x, w, ct, gs = inputs(case, cases=PIPELINE_CASES)
   cfg = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
                              tile_pipeline=True, epilogue_rows=epilogue_rows)
-  sizes = PIPELINE_CASES[case][1]
-  want_out, want_dx, _ = oracle(x, w, ct, sizes)
-  out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
-  d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
-  assert rel_err(out, want_out) < BF16_TOL
-  assert rel_err(d_lhs, want_dx) < BF16_TOL
-  pad = slice(sum(sizes), x.shape[0])
-  assert not np.any(np.asarray(out[pad], np.float32))
+  check_gmm_products(*inputs(case, cases=PIPELINE_CASES), PIPELINE_CASES[case][1], cfg)
 
 
 # Row tiles of 128 (from each group's start rounded down to 8; offset + rows per tile):
@@ -239,16 +242,9 @@ def test_tile_pipeline_half_tiles(case, half_tiles):
   """gmm's tile_pipeline with 128-row tiles, three stages over two steps per tile (slots and
   barrier phases run on across tiles); half_tiles loads and multiplies only the first 64 rows
   of the tiles whose rows fit there."""
-  x, w, ct, gs = inputs(case)
   cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=64, max_concurrent_steps=3,
                              tile_pipeline=True, half_tiles=half_tiles)
-  sizes = CASES[case][1]
-  want_out, want_dx, _ = oracle(x, w, ct, sizes)
-  out = mosaic_gpu.gmm(x, w, gs, interpret=True, config=cfg)
-  d_lhs = mosaic_gpu.gmm(ct, w, gs, transpose_rhs=True, interpret=True, config=cfg)
-  assert rel_err(out, want_out) < BF16_TOL
-  assert rel_err(d_lhs, want_dx) < BF16_TOL
-  assert not np.any(np.asarray(out[sum(sizes):], np.float32))
+  check_gmm_products(*inputs(case), CASES[case][1], cfg)
 
 
 def test_tile_pipelines_with_an_idle_sm():
