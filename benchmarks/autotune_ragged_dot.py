@@ -45,7 +45,8 @@ def full_sweep(product: str) -> list:
           for bm, bn in ((128, 128), (64, 128), (128, 64), (64, 64))
           for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
     ws += [dataclasses.replace(cfg, group_rows=True) for cfg in ws]
-    ws += [dataclasses.replace(cfg, tile_pipeline=True) for cfg in ws if cfg.cluster_n == 1]
+    ws += [dataclasses.replace(cfg, tile_pipeline=True, boundary_blocks=b, balance=b)
+           for cfg in ws if cfg.cluster_n == 1 for b in (False, True)]
     ex = [TgmmConfig(block_m=bm, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                      kernel="jax")
           for bm, bn in ((128, 128), (64, 128)) for s in (2, 4) for t in (1, 8)]
@@ -66,12 +67,16 @@ def full_sweep(product: str) -> list:
 
 def quick_sweep(product: str) -> list:
   """A short list around the heuristic table's choice: for gmm with and without tile_pipeline
-  and half_tiles (and 4 stages beside 64-row epilogue slices), for tgmm with and without
-  group_rows and tile_pipeline."""
+  and half_tiles (and 4 stages beside 64-row epilogue slices), for tgmm the session 17 table
+  (one pipeline per tile), group_rows + tile_pipeline, with boundary_blocks (the table) and
+  with balance too."""
   if product == "d_rhs":
     return [TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                       grid_tile_width=t, group_rows=r, tile_pipeline=p)
-            for d, t in ((1, 1), (1, 8), (0, 8)) for r in (False, True) for p in (False, True)]
+                       grid_tile_width=t, group_rows=p, tile_pipeline=p, boundary_blocks=b,
+                       balance=c)
+            for d, t in ((1, 1), (1, 8), (0, 8))
+            for p, b, c in ((False, False, False), (True, False, False), (True, True, False),
+                            (True, True, True))]
   return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
                     grid_tile_width=t, tile_pipeline=p, half_tiles=h)
           for d, t in ((1, 4), (0, 8)) for p, h in ((False, False), (True, False), (True, True))
