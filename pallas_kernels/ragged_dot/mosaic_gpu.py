@@ -177,20 +177,21 @@ def _zero_rows_past(out: jax.Array, total: jax.Array) -> jax.Array:
 # stage count shrinks to fit shared memory. The large-shape rows are the best of
 # benchmarks/autotune_ragged_dot.py on the H200 at G32 M32768 K3584 N3072 (README.md "Tiles"):
 # block 128 x 2*128 x 64, 3 stages (4 do not fit beside the epilogue tiles), no clusters (2-CTA
-# multicast of the lhs tile measured no faster), N-minor tile order 4 wide for gmm; for tgmm
+# multicast of the lhs tile measured no faster), N-minor tile order 4 wide and tile_pipeline
+# for gmm (fwd 3-7% faster at G32, 10-20% at k3_small; half_tiles lost 0.5-2%); for tgmm
 # group_rows, tile_pipeline and boundary_blocks (together 10-11% faster at the G32 shapes, 5%
-# at G8). The
-# (512, 512) rows carry the same configs down to the k3_small expert shapes (K = 512), where
-# the small row's 64 x 2*64 tiles and 2 stages ran the MoE layer's matmuls at 120 TFLOP/s.
+# at G8) and balance (1-2% more). The (512, 512) rows carry the same configs down to the
+# k3_small expert shapes (K = 512), where the small row's 64 x 2*64 tiles and 2 stages ran the
+# MoE layer's matmuls at 120 TFLOP/s.
 GMM_TABLE: tuple[tuple[tuple[int, int], GmmConfig], ...] = (
     ((512, 512), GmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3,
-                           grid_minor_dim=1, grid_tile_width=4)),
+                           grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True)),
     ((64, 128), GmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
 )
 TGMM_TABLE: tuple[tuple[tuple[int, int], TgmmConfig], ...] = (
     ((512, 512), TgmmConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=3,
                             grid_minor_dim=1, grid_tile_width=1, group_rows=True,
-                            tile_pipeline=True, boundary_blocks=True)),
+                            tile_pipeline=True, boundary_blocks=True, balance=True)),
     ((128, 64), TgmmConfig(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)),
 )
 _BLOCK_N_CHOICES = (128, 64)   # per compute warpgroup
@@ -405,25 +406,41 @@ def row_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int, align: int = 8) -
   return jnp.stack([group, load0, first - load0, rows, used]).astype(jnp.int32)
 
 
-def _tile_pipeline(*, stages: int, local_tiles, acc_shape, tile, load, mma, store):
+def _tile_pipeline(*, stages: int, local_tiles, acc_shape, tile, load, mma, store, split=None):
   """All (tile, step) pairs of a CTA as one warp-specialised pipeline (`tile_pipeline` of gmm
   and tgmm): warpgroup 2 issues the TMA loads, warpgroups 0 and 1 the wgmma. Slot and barrier
   phase follow a step counter that runs on across tiles in all three alike, so the loads of a
   tile start as soon as the slots free up, while the compute warpgroups finish and store the
-  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot, barrier)
+  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot, barrier, alt)
   issues step kb's two copies into `slot`, both arriving on `barrier`; mma(info, kb, slot,
-  acc_ref) issues its wgmma; store(info, acc_ref) writes the tile. Allocates the barriers
+  acc_ref, alt) issues its wgmma; store(info, acc_ref) writes the tile. With split(info) -> a
+  traced bool, each warpgroup runs a tile's steps in one of two loops, with the static alt
+  True where split holds (no branch per step), else alt is False. Allocates the barriers
   (call it inside the caller's `pl.run_scoped` of the SMEM slots)."""
   pl.run_scoped(
       functools.partial(_tile_pipeline_scoped, stages=stages, local_tiles=local_tiles,
-                        acc_shape=acc_shape, tile=tile, load=load, mma=mma, store=store),
+                        acc_shape=acc_shape, tile=tile, load=load, mma=mma, store=store,
+                        split=split),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       collective_axes="wg")
 
 
-def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, store, produced,
-                          consumed):
+def _steps(split, info, steps, step, one_step):
+  """fori_loop(0, steps, one_step(alt), step) with alt = split(info) made static by one loop
+  per value (or alt False without split); returns the step counter after the tile."""
+  if split is None:
+    return lax.fori_loop(0, steps, one_step(False), step)
+  is_alt = split(info)
+  for alt, cond in ((True, is_alt), (False, jnp.logical_not(is_alt))):
+    def loop(alt=alt):
+      lax.fori_loop(0, steps, one_step(alt), step)
+    pl.when(cond)(loop)
+  return step + steps
+
+
+def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, store, split,
+                          produced, consumed):
   wg = lax.axis_index("wg")
 
   @pl.when(wg == 2)
@@ -433,17 +450,19 @@ def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, st
     def one_tile(i, step):
       info, steps = tile(i)
 
-      def one_step(kb, step):
-        slot = lax.rem(step, stages)
+      def one_step(alt):
+        def body(kb, step):
+          slot = lax.rem(step, stages)
 
-        @pl.when(step >= stages)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
+          @pl.when(step >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
 
-        load(info, kb, slot, produced.at[slot])
-        return step + 1
+          load(info, kb, slot, produced.at[slot], alt)
+          return step + 1
+        return body
 
-      return lax.fori_loop(0, steps, one_step, step)
+      return _steps(split, info, steps, step, one_step)
 
     total = lax.fori_loop(0, local_tiles, one_tile, jnp.int32(0))
 
@@ -459,15 +478,17 @@ def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, st
       info, steps = tile(i)
 
       def run(acc_ref):
-        def one_step(kb, step):
-          slot = lax.rem(step, stages)
-          plgpu.barrier_wait(produced.at[slot])
-          mma(info, kb, slot, acc_ref)
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[slot])
-          return step + 1
+        def one_step(alt):
+          def body(kb, step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            mma(info, kb, slot, acc_ref, alt)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return step + 1
+          return body
 
-        next_step = lax.fori_loop(0, steps, one_step, step)
+        next_step = _steps(split, info, steps, step, one_step)
         store(info, acc_ref)
         return next_step
 
@@ -592,15 +613,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
       mi, ni = plgpu.planar_snake(cta + i * num_ctas, (tiles_m, grid_n), cfg.grid_minor_dim,
                                   cfg.grid_tile_width)
       group, load0, offset, rows = (tiles_gmem[r, mi] for r in range(4))
-      is_half = (offset + rows <= half) if cfg.half_tiles else False
-      return (ni, group, load0, offset, rows, is_half), k // bk
-
-    def when_half(is_half, half_fn, full_fn):
-      if cfg.half_tiles:
-        pl.when(is_half)(half_fn)
-        pl.when(jnp.logical_not(is_half))(full_fn)
-      else:
-        full_fn()
+      return (ni, group, load0, offset, rows), k // bk
 
     @functools.partial(
         pl.run_scoped,
@@ -611,33 +624,36 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     def _scope(a_smem, b_smem, out_smem):
       wg = lax.axis_index("wg")
 
-      def load(info, ki, slot, barrier):
-        ni, group, load0, _, _, is_half = info
+      def load(info, ki, slot, barrier, half_tile):
+        ni, group, load0 = info[:3]
         cols, row0 = pl.ds(ki * bk, bk), pl.multiple_of(load0, 8)
-        when_half(
-            is_half,
-            lambda: plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, half), cols],
-                                            a_smem.at[slot, pl.ds(0, half)], barrier),
-            lambda: plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), cols],
-                                            a_smem.at[slot], barrier))
+        rows = half if half_tile else bm
+        a_slot = a_smem.at[slot, pl.ds(0, half)] if half_tile else a_smem.at[slot]
+        plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, rows), cols], a_slot, barrier)
         plgpu.copy_gmem_to_smem(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
                                 b_smem.at[slot], barrier)
 
-      def mma(info, _, slot, acc_ref):
+      def mma(info, _, slot, acc_ref, half_tile):
+        del info
         b = rhs_half(b_smem.at[slot], wg)
-        when_half(info[-1],
-                  lambda: plgpu.wgmma(acc_ref.at[pl.ds(0, half)],
-                                      a_smem.at[slot, pl.ds(0, half)], b),
-                  lambda: plgpu.wgmma(acc_ref, a_smem.at[slot], b))
+        if half_tile:
+          plgpu.wgmma(acc_ref.at[pl.ds(0, half)], a_smem.at[slot, pl.ds(0, half)], b)
+        else:
+          plgpu.wgmma(acc_ref, a_smem.at[slot], b)
+
+      def is_half(info):
+        offset, rows = info[3:]
+        return offset + rows <= half
 
       def store(info, acc_ref):
-        ni, group, load0, offset, rows, _ = info
+        ni, group, load0, offset, rows = info
         store_tile(acc_ref[...].astype(out_dtype), out_smem.at[wg], out_gmem, ni, wg, load0,
                    offset, rows, group == g)
 
       _tile_pipeline(stages=stages,
                      local_tiles=(tiles_m * grid_n - cta + num_ctas - 1) // num_ctas,
-                     acc_shape=(bm, bn), tile=tile, load=load, mma=mma, store=store)
+                     acc_shape=(bm, bn), tile=tile, load=load, mma=mma, store=store,
+                     split=is_half if cfg.half_tiles else None)
 
   kernel = plgpu.kernel(
       tile_pipeline_body if cfg.tile_pipeline else body,
@@ -860,7 +876,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     def _scope(a_smem, b_smem, out_smem):
       wg = lax.axis_index("wg")
 
-      def load(info, kb, slot, barrier):
+      def load(info, kb, slot, barrier, alt):
+        del alt
         gi, mi, ni, steps, group_origin, _, _ = info
         rows, cols = row_slice(group_origin, kb), pl.ds(mi * cta_m, cta_m)
         if cfg.boundary_blocks:
@@ -878,7 +895,8 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
           plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)], b_smem.at[slot], barrier)
 
-      def mma(info, kb, slot, acc_ref):
+      def mma(info, kb, slot, acc_ref, alt):
+        del alt
         _, _, _, steps, _, first_row, last_row = info
         mma_step(kb, steps, first_row, last_row, a_smem.at[slot], b_smem.at[slot], acc_ref, wg)
 
