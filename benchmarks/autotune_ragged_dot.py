@@ -56,9 +56,9 @@ def full_sweep(product: str) -> list:
           for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))
           for s in (3, 4, 5, 6) for d, t in GRID_ORDERS for c in (1, 2)]
     ws += [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_minor_dim=d,
-                     grid_tile_width=t, tile_pipeline=True, half_tiles=h, epilogue_rows=e)
+                     grid_tile_width=t, tile_pipeline=True, epilogue_rows=e)
            for bn in (128, 64) for s in (2, 3, 4) for e in (None, 64, 32)
-           for d, t in GRID_ORDERS for h in (False, True)]
+           for d, t in GRID_ORDERS]
     ex = [GmmConfig(block_m=128, block_n=bn, max_concurrent_steps=s, grid_tile_width=t,
                     kernel="jax")
           for bn in (128, 192) for s in (4, 5) for t in (1, 8)]
@@ -67,7 +67,7 @@ def full_sweep(product: str) -> list:
 
 def quick_sweep(product: str) -> list:
   """A short list around the heuristic table's choice: for gmm with and without tile_pipeline
-  and half_tiles (and 4 stages beside 64-row epilogue slices), for tgmm the session 17 table
+  (and 4 stages beside 64-row epilogue slices), for tgmm the session 17 table
   (one pipeline per tile), group_rows + tile_pipeline, with boundary_blocks (the table) and
   with balance too."""
   if product == "d_rhs":
@@ -78,10 +78,10 @@ def quick_sweep(product: str) -> list:
             for p, b, c in ((False, False, False), (True, False, False), (True, True, False),
                             (True, True, True))]
   return [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=d,
-                    grid_tile_width=t, tile_pipeline=p, half_tiles=h)
-          for d, t in ((1, 4), (0, 8)) for p, h in ((False, False), (True, False), (True, True))
+                    grid_tile_width=t, tile_pipeline=p)
+          for d, t in ((1, 4), (0, 8)) for p in (False, True)
           ] + [GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4, grid_minor_dim=1,
-                         grid_tile_width=4, tile_pipeline=True, half_tiles=True, epilogue_rows=64)]
+                         grid_tile_width=4, tile_pipeline=True, epilogue_rows=64)]
 
 
 def product_fn(product: str, cfg, interpret: bool):

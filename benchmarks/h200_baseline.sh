@@ -16,8 +16,9 @@
 #   bash benchmarks/h200_baseline.sh moe_tgmm              # ~4 min: d_rhs quick sweep at the 3 K3 shapes,
 #                                                          # then where d_rhs's time goes (tgmm_costs)
 #   bash benchmarks/h200_baseline.sh moe_gmm_tiles         # ~7 min: ragged_dot GPU tests, fwd/d_lhs quick
-#                                                          # sweeps (tile_pipeline, half_tiles) at the 3 K3
+#                                                          # sweeps (with/without tile_pipeline) at the 3 K3
 #                                                          # shapes and k3_small, tgmm_costs (balance)
+#   bash benchmarks/h200_baseline.sh moe_gmm_costs         # ~3 min: where gmm's (fwd) time goes
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
@@ -126,6 +127,10 @@ PY
       timeout 150 python3 -m benchmarks.tgmm_costs --out=$OUT/tgmm_costs.json 2>&1 \
         | tee $OUT/tgmm_costs.log | grep TFLOP
       ;;
+    moe_gmm_costs)
+      timeout 250 python3 -m benchmarks.gmm_costs --out=$OUT/gmm_costs.json 2>&1 \
+        | tee $OUT/gmm_costs.log | grep -E "TFLOP|fit"
+      ;;
     moe_gemm)
       timeout 300 python3 -m benchmarks.moe_gemm --out=$OUT/moe_h200.json 2>&1 \
         | tee $OUT/moe_gemm.log | grep -E "TFLOP|x torch" | grep -v "xla_ragged\|jax_example"
@@ -172,7 +177,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_fused, moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_trace)"; exit 2
       ;;
   esac
 done

@@ -89,6 +89,23 @@ def test_tgmm_costs_times_every_variant_in_the_interpreter(tmp_path):
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
+def test_gmm_costs_times_every_variant_in_the_interpreter(tmp_path):
+  out = tmp_path / "gmm_costs.json"
+  run_module("benchmarks.gmm_costs", "--shapes=toy", "--interpret", f"--out={out}")
+  recs = records(out)
+  assert [r["variant"] for r in recs] == ["table", "aligned", "uniform", "no_tma_store",
+                                          "per_tile_pipelines", "order_0_8",
+                                          "no_store_wait"]
+  assert all(r["median_ms"] > 0 and r["rounds"] >= 1 for r in recs)
+
+
+def test_gmm_costs_fit_recovers_step_and_tile_times():
+  from benchmarks.gmm_costs import fit_step_and_tile
+  points = [(r * (steps * 0.8 + 2.5), r, steps) for r, steps in ((25, 56), (29, 48), (32, 8))]
+  s, x = fit_step_and_tile(points)
+  assert abs(s - 0.8) < 1e-9 and abs(x - 2.5) < 1e-9
+
+
 def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",

@@ -57,9 +57,7 @@ class GmmConfig:
   "ws" only: tile_pipeline = True runs all of a CTA's (tile, step) pairs as one pipeline with
   hand-written barriers (as TgmmConfig's): the memory warpgroup loads the next tile's first
   stages while the compute warpgroups finish and store the current tile, instead of each tile
-  starting with an empty pipeline (needs cluster_n = 1); with it, half_tiles = True loads and
-  multiplies only the first block_m / 2 rows of a tile whose rows all lie there (a group's
-  last tile, about half of them: on average a quarter tile less work per group).
+  starting with an empty pipeline (needs cluster_n = 1).
   epilogue_rows (None = block_m) stores each warpgroup's tile in slices of that many rows
   through a smaller SMEM buffer, which makes room for a fourth stage at 128 x 256 x 64."""
   block_m: int = 128
@@ -71,7 +69,6 @@ class GmmConfig:
   kernel: str = "ws"
   cluster_n: int = 1
   tile_pipeline: bool = False
-  half_tiles: bool = False
   epilogue_rows: int | None = None
 
 
@@ -178,7 +175,7 @@ def _zero_rows_past(out: jax.Array, total: jax.Array) -> jax.Array:
 # benchmarks/autotune_ragged_dot.py on the H200 at G32 M32768 K3584 N3072 (README.md "Tiles"):
 # block 128 x 2*128 x 64, 3 stages (4 do not fit beside the epilogue tiles), no clusters (2-CTA
 # multicast of the lhs tile measured no faster), N-minor tile order 4 wide and tile_pipeline
-# for gmm (fwd 3-7% faster at G32, 10-20% at k3_small; half_tiles lost 0.5-2%); for tgmm
+# for gmm (fwd 3-7% faster at G32, 10-20% at k3_small); for tgmm
 # group_rows, tile_pipeline and boundary_blocks (together 10-11% faster at the G32 shapes, 5%
 # at G8) and balance (1-2% more). The (512, 512) rows carry the same configs down to the
 # k3_small expert shapes (K = 512), where the small row's 64 x 2*64 tiles and 2 stages ran the
@@ -282,19 +279,14 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
             " swizzle tile (the warpgroups slice the rhs tile along it)")
   if cfg.kernel == "ws" and gmm_smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
     return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
-  if cfg.kernel == "jax" and (cfg.tile_pipeline or cfg.half_tiles or cfg.epilogue_rows):
-    return "tile_pipeline, half_tiles and epilogue_rows are options of the 'ws' kernel"
+  if cfg.kernel == "jax" and (cfg.tile_pipeline or cfg.epilogue_rows):
+    return "tile_pipeline and epilogue_rows are options of the 'ws' kernel"
   epi = cfg.epilogue_rows or cfg.block_m
   if cfg.block_m % epi or epi % 8:
     return (f"epilogue_rows={cfg.epilogue_rows} must divide block_m={cfg.block_m} and be a "
             "multiple of 8")
   if cfg.tile_pipeline and cfg.cluster_n != 1:
     return "tile_pipeline runs without clusters (cluster_n=1)"
-  if cfg.half_tiles and not cfg.tile_pipeline:
-    return "half_tiles is an option of tile_pipeline"
-  if cfg.half_tiles and cfg.block_m % 128:
-    return (f"half_tiles needs block_m a multiple of 128 (wgmma takes rows in 64s), "
-            f"got {cfg.block_m}")
   return None
 
 
@@ -364,6 +356,12 @@ def supports_tgmm(lhs, rhs, group_sizes, *, out_dtype=None, interpret: bool = Fa
 # gmm: out[M, N] = lhs[M, K] @ rhs[g(row)]
 # ------------------------------------------------------------------------------------------
 
+def _await_epilogue_buffer():
+  """Waits until this thread's earlier TMA stores have read their SMEM (before the epilogue
+  buffer is written again)."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _store_rows(o_smem, o_gmem, smem_start, gmem_start, size, max_rows: int):
   """TMA-stores o_smem rows [smem_start, + size) to o_gmem rows [gmem_start, + size), with a
   ladder of power-of-two row counts (the trick of ragged_dot_mgpu: TMA boxes are static)."""
@@ -406,41 +404,25 @@ def row_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int, align: int = 8) -
   return jnp.stack([group, load0, first - load0, rows, used]).astype(jnp.int32)
 
 
-def _tile_pipeline(*, stages: int, local_tiles, acc_shape, tile, load, mma, store, split=None):
+def _tile_pipeline(*, stages: int, local_tiles, acc_shape, tile, load, mma, store):
   """All (tile, step) pairs of a CTA as one warp-specialised pipeline (`tile_pipeline` of gmm
   and tgmm): warpgroup 2 issues the TMA loads, warpgroups 0 and 1 the wgmma. Slot and barrier
   phase follow a step counter that runs on across tiles in all three alike, so the loads of a
   tile start as soon as the slots free up, while the compute warpgroups finish and store the
-  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot, barrier, alt)
+  one before. tile(i) -> (info, steps) of the CTA's tile i; load(info, kb, slot, barrier)
   issues step kb's two copies into `slot`, both arriving on `barrier`; mma(info, kb, slot,
-  acc_ref, alt) issues its wgmma; store(info, acc_ref) writes the tile. With split(info) -> a
-  traced bool, each warpgroup runs a tile's steps in one of two loops, with the static alt
-  True where split holds (no branch per step), else alt is False. Allocates the barriers
+  acc_ref) issues its wgmma; store(info, acc_ref) writes the tile. Allocates the barriers
   (call it inside the caller's `pl.run_scoped` of the SMEM slots)."""
   pl.run_scoped(
       functools.partial(_tile_pipeline_scoped, stages=stages, local_tiles=local_tiles,
-                        acc_shape=acc_shape, tile=tile, load=load, mma=mma, store=store,
-                        split=split),
+                        acc_shape=acc_shape, tile=tile, load=load, mma=mma, store=store),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       collective_axes="wg")
 
 
-def _steps(split, info, steps, step, one_step):
-  """fori_loop(0, steps, one_step(alt), step) with alt = split(info) made static by one loop
-  per value (or alt False without split); returns the step counter after the tile."""
-  if split is None:
-    return lax.fori_loop(0, steps, one_step(False), step)
-  is_alt = split(info)
-  for alt, cond in ((True, is_alt), (False, jnp.logical_not(is_alt))):
-    def loop(alt=alt):
-      lax.fori_loop(0, steps, one_step(alt), step)
-    pl.when(cond)(loop)
-  return step + steps
-
-
-def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, store, split,
-                          produced, consumed):
+def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, store, produced,
+                          consumed):
   wg = lax.axis_index("wg")
 
   @pl.when(wg == 2)
@@ -450,19 +432,17 @@ def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, st
     def one_tile(i, step):
       info, steps = tile(i)
 
-      def one_step(alt):
-        def body(kb, step):
-          slot = lax.rem(step, stages)
+      def one_step(kb, step):
+        slot = lax.rem(step, stages)
 
-          @pl.when(step >= stages)
-          def _():
-            plgpu.barrier_wait(consumed.at[slot])
+        @pl.when(step >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
 
-          load(info, kb, slot, produced.at[slot], alt)
-          return step + 1
-        return body
+        load(info, kb, slot, produced.at[slot])
+        return step + 1
 
-      return _steps(split, info, steps, step, one_step)
+      return lax.fori_loop(0, steps, one_step, step)
 
     total = lax.fori_loop(0, local_tiles, one_tile, jnp.int32(0))
 
@@ -478,17 +458,15 @@ def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, st
       info, steps = tile(i)
 
       def run(acc_ref):
-        def one_step(alt):
-          def body(kb, step):
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            mma(info, kb, slot, acc_ref, alt)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return step + 1
-          return body
+        def one_step(kb, step):
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(produced.at[slot])
+          mma(info, kb, slot, acc_ref)
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[slot])
+          return step + 1
 
-        next_step = _steps(split, info, steps, step, one_step)
+        next_step = lax.fori_loop(0, steps, one_step, step)
         store(info, acc_ref)
         return next_step
 
@@ -514,7 +492,6 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   transforms = _transforms(bk, lhs.dtype)
   rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
   epi = cfg.epilogue_rows or bm
-  half = bm // 2
 
   def rhs_half(b_smem, wg):
     """The compute warpgroup's half of the rhs tile, as wgmma's [bk, bn] operand."""
@@ -531,7 +508,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     """Stores the tile's rows [offset, offset + rows) (zeros for the padding group) through
     o_smem in slices of epi rows."""
     for lo in range(0, bm, epi):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _await_epilogue_buffer()
 
       @pl.when(is_pad)
       def _():
@@ -603,8 +580,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def tile_pipeline_body(tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
-    """`_tile_pipeline` over the used row tiles only; with half_tiles a tile whose rows fit in
-    its first bm / 2 loads and multiplies those only."""
+    """`_tile_pipeline` over the used row tiles only."""
     stages = cfg.max_concurrent_steps
     cta, num_ctas = lax.axis_index("cluster_grid"), num_sms
     tiles_m = tiles_gmem[4, 0]
@@ -624,26 +600,16 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     def _scope(a_smem, b_smem, out_smem):
       wg = lax.axis_index("wg")
 
-      def load(info, ki, slot, barrier, half_tile):
+      def load(info, ki, slot, barrier):
         ni, group, load0 = info[:3]
         cols, row0 = pl.ds(ki * bk, bk), pl.multiple_of(load0, 8)
-        rows = half if half_tile else bm
-        a_slot = a_smem.at[slot, pl.ds(0, half)] if half_tile else a_smem.at[slot]
-        plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, rows), cols], a_slot, barrier)
+        plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), cols], a_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
                                 b_smem.at[slot], barrier)
 
-      def mma(info, _, slot, acc_ref, half_tile):
+      def mma(info, _, slot, acc_ref):
         del info
-        b = rhs_half(b_smem.at[slot], wg)
-        if half_tile:
-          plgpu.wgmma(acc_ref.at[pl.ds(0, half)], a_smem.at[slot, pl.ds(0, half)], b)
-        else:
-          plgpu.wgmma(acc_ref, a_smem.at[slot], b)
-
-      def is_half(info):
-        offset, rows = info[3:]
-        return offset + rows <= half
+        plgpu.wgmma(acc_ref, a_smem.at[slot], rhs_half(b_smem.at[slot], wg))
 
       def store(info, acc_ref):
         ni, group, load0, offset, rows = info
@@ -652,8 +618,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
 
       _tile_pipeline(stages=stages,
                      local_tiles=(tiles_m * grid_n - cta + num_ctas - 1) // num_ctas,
-                     acc_shape=(bm, bn), tile=tile, load=load, mma=mma, store=store,
-                     split=is_half if cfg.half_tiles else None)
+                     acc_shape=(bm, bn), tile=tile, load=load, mma=mma, store=store)
 
   kernel = plgpu.kernel(
       tile_pipeline_body if cfg.tile_pipeline else body,
@@ -782,7 +747,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_smem)
 
   def store_tile(acc_ref, o_smem, out_gmem, gi, mi, ni, wg):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _await_epilogue_buffer()
     o_smem[...] = acc_ref[...].astype(out_dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(
@@ -876,8 +841,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
     def _scope(a_smem, b_smem, out_smem):
       wg = lax.axis_index("wg")
 
-      def load(info, kb, slot, barrier, alt):
-        del alt
+      def load(info, kb, slot, barrier):
         gi, mi, ni, steps, group_origin, _, _ = info
         rows, cols = row_slice(group_origin, kb), pl.ds(mi * cta_m, cta_m)
         if cfg.boundary_blocks:
@@ -895,8 +859,7 @@ def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dt
           plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols], a_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * bn, bn)], b_smem.at[slot], barrier)
 
-      def mma(info, kb, slot, acc_ref, alt):
-        del alt
+      def mma(info, kb, slot, acc_ref):
         _, _, _, steps, _, first_row, last_row = info
         mma_step(kb, steps, first_row, last_row, a_smem.at[slot], b_smem.at[slot], acc_ref, wg)
 

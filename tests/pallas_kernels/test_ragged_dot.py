@@ -234,16 +234,14 @@ def test_tile_pipeline_and_epilogue_slices(case, epilogue_rows):
 
 
 # Row tiles of 128 (from each group's start rounded down to 8; offset + rows per tile):
-# pad_rows 37, 5 + 1, 6 + 101, 3 + 51 and the padding group 6 + 13: all but one fit in the
-# first 64 rows (half tiles); full 0 + 64 (exactly half), 0 + 1, 1 + 90 (whole), 3 + 37.
+# pad_rows 37, 5 + 1, 6 + 101, 3 + 51 and the padding group 6 + 13; full 0 + 64, 0 + 1,
+# 1 + 90, 3 + 37.
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("half_tiles", [False, True])
-def test_tile_pipeline_half_tiles(case, half_tiles):
+def test_tile_pipeline_128_row_tiles(case):
   """gmm's tile_pipeline with 128-row tiles, three stages over two steps per tile (slots and
-  barrier phases run on across tiles); half_tiles loads and multiplies only the first 64 rows
-  of the tiles whose rows fit there."""
+  barrier phases run on across tiles)."""
   cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=64, max_concurrent_steps=3,
-                             tile_pipeline=True, half_tiles=half_tiles)
+                             tile_pipeline=True)
   check_gmm_products(*inputs(case), CASES[case][1], cfg)
 
 
@@ -253,7 +251,7 @@ def test_tile_pipelines_with_an_idle_sm():
   cases = {"one_tile": (128, (128,))}
   x, w, ct, gs = inputs("one_tile", cases=cases)
   gmm_cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=64, max_concurrent_steps=2,
-                                 tile_pipeline=True, half_tiles=True)
+                                 tile_pipeline=True)
   tgmm_cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=128, max_concurrent_steps=2,
                                    group_rows=True, tile_pipeline=True, boundary_blocks=True,
                                    balance=True)
@@ -266,11 +264,10 @@ def test_tile_pipelines_with_an_idle_sm():
 
 def test_tile_pipeline_config_errors():
   x, w, _, gs = inputs("full")
-  alone = mosaic_gpu.GmmConfig(block_m=128, block_n=64, half_tiles=True)
-  assert "option of tile_pipeline" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True,
-                                                              config=alone)
-  small = mosaic_gpu.GmmConfig(block_m=64, block_n=64, tile_pipeline=True, half_tiles=True)
-  assert "multiple of 128" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=small)
+  clustered = mosaic_gpu.GmmConfig(block_m=64, block_n=64, tile_pipeline=True, cluster_n=2)
+  two_n_tiles = jnp.concatenate([w, w], axis=-1)
+  assert "without clusters" in mosaic_gpu.supports_gmm(x, two_n_tiles, gs, interpret=True,
+                                                       config=clustered)
   odd = mosaic_gpu.GmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, epilogue_rows=24)
   assert "epilogue_rows=24" in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=odd)
 
@@ -366,14 +363,14 @@ def test_kernels_lower_for_hopper(monkeypatch, g, m, k, n):
 
 
 def test_tile_pipeline_lowers_for_hopper(monkeypatch):
-  """The pipelined-tiles gmm with half tiles at the k3_small expert shape (K = 512: 8 steps of
-  64, 4 stages, which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
+  """The pipelined-tiles gmm at the k3_small expert shape (K = 512: 8 steps of 64, 4 stages,
+  which fit beside 64-row epilogue slices) lowers for CUDA, forward and d_lhs."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda interpret: 132)
   g, m, k, n = 64, 131072, 512, 1024
   cfg = mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=4,
                              grid_minor_dim=1, grid_tile_width=4, tile_pipeline=True,
-                             half_tiles=True, epilogue_rows=64)
+                             epilogue_rows=64)
   bf16 = jnp.bfloat16
   assert mosaic_gpu.gmm_smem_bytes(cfg, bf16, bf16) <= mosaic_gpu.SMEM_BYTES
   s = lambda *shape: jax.ShapeDtypeStruct(shape, bf16)

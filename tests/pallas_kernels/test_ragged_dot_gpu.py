@@ -65,7 +65,7 @@ GMM_CONFIGS = [
     mosaic_gpu.GmmConfig(block_m=64, block_n=128, max_concurrent_steps=2, grid_minor_dim=1,
                          grid_tile_width=4, tile_pipeline=True),
     mosaic_gpu.GmmConfig(block_m=128, block_n=128, max_concurrent_steps=3, grid_minor_dim=1,
-                         grid_tile_width=4, tile_pipeline=True, half_tiles=True),
+                         grid_tile_width=4, tile_pipeline=True),
 ]
 TGMM_CONFIGS = [
     mosaic_gpu.TgmmConfig(block_m=128, block_n=128, max_concurrent_steps=3),
