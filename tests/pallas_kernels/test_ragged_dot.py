@@ -134,6 +134,18 @@ def test_two_cta_clusters():
     assert rel_err(a, b) < BF16_TOL, (name, rel_err(a, b))
 
 
+def check_tgmm_per_group(x, w, ct, gs, sizes, cfg):
+  """tgmm with `cfg` in the interpreter against the fp64 oracle, group by group; empty groups
+  give exact zeros."""
+  d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
+  want = oracle(x, w, ct, sizes)[2]
+  for g, size in enumerate(sizes):
+    if size:
+      assert rel_err(d_rhs[g], want[g]) < BF16_TOL, g
+    else:
+      assert not np.any(np.asarray(d_rhs[g], np.float32)), f"empty group {g}"
+
+
 # Group starts of "group_rows": pad_rows 0, 37, 37, 38, 139 (row blocks from 0, 32, 32, 32,
 # 136: off the 8-row grid, on it, and one-row groups); full 0, 0, 64, 65, 155, 192.
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -142,13 +154,7 @@ def test_tgmm_group_rows(case):
   blocks of one group overlap the previous group's (masked) and run past M (TMA zero fill)."""
   x, w, ct, gs = inputs(case)
   cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2, group_rows=True)
-  d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
-  want = oracle(x, w, ct, CASES[case][1])[2]
-  for g, size in enumerate(CASES[case][1]):
-    if size:
-      assert rel_err(d_rhs[g], want[g]) < BF16_TOL, g
-    else:
-      assert not np.any(np.asarray(d_rhs[g], np.float32)), f"empty group {g}"
+  check_tgmm_per_group(x, w, ct, gs, CASES[case][1], cfg)
   jax_cfg = dataclasses.replace(cfg, kernel="jax")
   assert "'ws' kernel" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=jax_cfg)
 
@@ -167,13 +173,7 @@ def test_tgmm_tile_pipeline(case, group_rows, boundary_blocks, balance):
   cfg = mosaic_gpu.TgmmConfig(block_m=64, block_n=64, max_concurrent_steps=2,
                               group_rows=group_rows, tile_pipeline=True,
                               boundary_blocks=boundary_blocks, balance=balance)
-  d_rhs = mosaic_gpu.tgmm(x, ct, gs, interpret=True, config=cfg)
-  want = oracle(x, w, ct, CASES[case][1])[2]
-  for g, size in enumerate(CASES[case][1]):
-    if size:
-      assert rel_err(d_rhs[g], want[g]) < BF16_TOL, g
-    else:
-      assert not np.any(np.asarray(d_rhs[g], np.float32)), f"empty group {g}"
+  check_tgmm_per_group(x, w, ct, gs, CASES[case][1], cfg)
   clustered = dataclasses.replace(cfg, cluster_n=2)
   assert "cluster_n=1" in mosaic_gpu.supports_tgmm(x, ct, gs, interpret=True, config=clustered)
   per_tile = dataclasses.replace(cfg, tile_pipeline=False, boundary_blocks=True)
