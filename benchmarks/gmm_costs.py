@@ -17,7 +17,11 @@ shapes:
   as a store still reading SMEM when the kernel ends is undefined behaviour);
 - "per_tile_pipelines": without tile_pipeline (one pipeline per tile, the table before
   session 19);
-- "order_0_8": tiles ordered M-minor, 8 wide, instead of the table's N-minor 4 wide.
+- "order_0_8": tiles ordered M-minor, 8 wide, instead of the table's N-minor 4 wide;
+- "lhs_rows_8", "rhs_rows_8": each step loads only the first 8 rows of its lhs block
+  (1 of 16 KiB) or of its rhs block (4 of 32 KiB) (WRONG results; timing only): if the main
+  loop is bound by the L2 -> SMEM loads, it speeds up by about the bytes saved; if by the
+  tensor cores, not at all.
 
 A fit of time = rounds x (steps x s + X) over the shapes of the "aligned" variant (rounds: the
 row tiles x N tiles over the SMs, rounded up; steps: K / block_k) gives the time per
@@ -49,7 +53,7 @@ _SHAPES = flags.DEFINE_enum("shapes", "k3", ["k3", "toy"],
                             "The K3 expert shapes and k3_small's first, or a toy.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Mosaic GPU interpreter (CPU).")
 VARIANTS = ("table", "aligned", "uniform", "no_tma_store", "per_tile_pipelines", "order_0_8",
-            "no_store_wait")
+            "lhs_rows_8", "rhs_rows_8", "no_store_wait")
 _VARIANTS = flags.DEFINE_multi_enum("variants", list(VARIANTS), VARIANTS,
                                     "The variants to time (repeat the flag for several).")
 K3_SMALL = (64, 131072, 512, 1024)
@@ -84,10 +88,18 @@ def time_variant(variant: str, shape, interpret: bool) -> tuple[float, int]:
   sizes = sizes_of(variant, g, m, cfg.block_m)
   x, w, _, gs = make_inputs(g, m, k, n, sizes)
   store_rows, await_buffer = mosaic_gpu._store_rows, mosaic_gpu._await_epilogue_buffer
+  load_block = mosaic_gpu._load_block
   if variant == "no_tma_store":
     mosaic_gpu._store_rows = lambda *args: None
   if variant == "no_store_wait":
     mosaic_gpu._await_epilogue_buffer = lambda: None
+  if variant in ("lhs_rows_8", "rhs_rows_8"):
+    def first_rows(src, dst, barrier):
+      is_lhs = tuple(src.shape) == (cfg.block_m, cfg.block_k)
+      if is_lhs == (variant == "lhs_rows_8"):
+        src, dst = src.at[:8], dst.at[:8]
+      load_block(src, dst, barrier)
+    mosaic_gpu._load_block = first_rows
   try:
     fn = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, config=cfg, interpret=interpret))
     jax.block_until_ready(fn(x, w, gs))     # traced (and compiled) with the patch
@@ -97,6 +109,7 @@ def time_variant(variant: str, shape, interpret: bool) -> tuple[float, int]:
       ms = common.time_jax(fn, x, w, gs, reps=50, budget_s=3.0)
   finally:
     mosaic_gpu._store_rows, mosaic_gpu._await_epilogue_buffer = store_rows, await_buffer
+    mosaic_gpu._load_block = load_block
   return ms, rounds(sizes, n, cfg, mosaic_gpu._num_sms(interpret))
 
 

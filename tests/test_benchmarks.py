@@ -94,8 +94,8 @@ def test_gmm_costs_times_every_variant_in_the_interpreter(tmp_path):
   run_module("benchmarks.gmm_costs", "--shapes=toy", "--interpret", f"--out={out}")
   recs = records(out)
   assert [r["variant"] for r in recs] == ["table", "aligned", "uniform", "no_tma_store",
-                                          "per_tile_pipelines", "order_0_8",
-                                          "no_store_wait"]
+                                          "per_tile_pipelines", "order_0_8", "lhs_rows_8",
+                                          "rhs_rows_8", "no_store_wait"]
   assert all(r["median_ms"] > 0 and r["rounds"] >= 1 for r in recs)
 
 

@@ -362,6 +362,12 @@ def _await_epilogue_buffer():
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _load_block(src, dst, barrier):
+  """TMA-loads one operand block of a gmm pipeline step into its SMEM slot, arriving on
+  `barrier` (one place for benchmarks/gmm_costs' load diagnostics)."""
+  plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
 def _store_rows(o_smem, o_gmem, smem_start, gmem_start, size, max_rows: int):
   """TMA-stores o_smem rows [smem_start, + size) to o_gmem rows [gmem_start, + size), with a
   ladder of power-of-two row counts (the trick of ragged_dot_mgpu: TMA boxes are static)."""
@@ -603,9 +609,9 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
       def load(info, ki, slot, barrier):
         ni, group, load0 = info[:3]
         cols, row0 = pl.ds(ki * bk, bk), pl.multiple_of(load0, 8)
-        plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), cols], a_smem.at[slot], barrier)
-        plgpu.copy_gmem_to_smem(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
-                                b_smem.at[slot], barrier)
+        _load_block(lhs_gmem.at[pl.ds(row0, bm), cols], a_smem.at[slot], barrier)
+        _load_block(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
+                    b_smem.at[slot], barrier)
 
       def mma(info, _, slot, acc_ref):
         del info
