@@ -18,7 +18,7 @@
 #   bash benchmarks/h200_baseline.sh moe_gmm_tiles         # ~7 min: ragged_dot GPU tests, fwd/d_lhs quick
 #                                                          # sweeps (with/without tile_pipeline) at the 3 K3
 #                                                          # shapes and k3_small, tgmm_costs (balance)
-#   bash benchmarks/h200_baseline.sh moe_gmm_costs         # ~3 min: where gmm's (fwd) time goes
+#   bash benchmarks/h200_baseline.sh moe_gmm_costs         # ~2 min: where gmm's (fwd) time goes
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
