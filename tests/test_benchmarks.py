@@ -79,10 +79,15 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
+def costs_records(module: str, tmp_path) -> list[dict]:
+  """The records of a *_costs diagnostic run at its toy shape in the interpreter."""
+  out = tmp_path / "costs.json"
+  run_module(module, "--shapes=toy", "--interpret", f"--out={out}")
+  return records(out)
+
+
 def test_tgmm_costs_times_every_variant_in_the_interpreter(tmp_path):
-  out = tmp_path / "tgmm_costs.json"
-  run_module("benchmarks.tgmm_costs", "--shapes=toy", "--interpret", f"--out={out}")
-  recs = records(out)
+  recs = costs_records("benchmarks.tgmm_costs", tmp_path)
   assert [r["variant"] for r in recs] == ["table", "masks", "no_masks", "aligned",
                                           "aligned_no_masks", "uniform", "no_group_rows",
                                           "no_tile_pipeline", "neither", "balance"]
@@ -90,9 +95,7 @@ def test_tgmm_costs_times_every_variant_in_the_interpreter(tmp_path):
 
 
 def test_gmm_costs_times_every_variant_in_the_interpreter(tmp_path):
-  out = tmp_path / "gmm_costs.json"
-  run_module("benchmarks.gmm_costs", "--shapes=toy", "--interpret", f"--out={out}")
-  recs = records(out)
+  recs = costs_records("benchmarks.gmm_costs", tmp_path)
   assert [r["variant"] for r in recs] == ["table", "aligned", "uniform", "no_tma_store",
                                           "per_tile_pipelines", "order_0_8", "lhs_rows_8",
                                           "rhs_rows_8", "no_store_wait"]
