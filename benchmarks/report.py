@@ -1,71 +1,317 @@
-r"""Renders BENCHMARKS.md tables from benchmarks/results/*.json.
+r"""Renders the tables of BENCHMARKS.md from benchmarks/results/*.json.
 
-`python -m benchmarks.report` prints the tables; BENCHMARKS.md embeds them between
-`<!-- tables -->` markers, refreshed by `python -m benchmarks.report --write`.
+`python -m benchmarks.report` prints every table; `--write` replaces each table inside
+BENCHMARKS.md between its `<!-- report:NAME -->` and `<!-- /report:NAME -->` markers and leaves
+the prose around them alone.
+
+Each table shows the newest record per shape and implementation of one results file. Records
+whose implementation carries an `@label` (e.g. `xla@run1`) are kept runs of older code and are
+left out. A record's provenance is its `date` (the day it was measured) and the commit that
+first added it to its results file (`git log` of that file; a later rename to `@label` or an
+edited note does not count as adding it).
 """
-import glob
+import functools
 import json
-import os
+import pathlib
+import subprocess
+from typing import Callable
 
 from absl import app, flags
 
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the tables inside BENCHMARKS.md.")
-_MARK_BEGIN, _MARK_END = "<!-- tables -->", "<!-- /tables -->"
-_SKIP = ("op", "versions", "error", "configs", "device", "date")
-_MAX_CHARS = 90
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_VOLATILE = ("note", "run", "versions")  # fields edited after a record was added
+
+Record = dict
 
 
-def _fmt(v):
-  if v is None:
-    return ""
-  if isinstance(v, float):
-    return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
-  if isinstance(v, dict):
-    return " ".join(f"{k} {x:.1e}" if isinstance(x, float) else f"{k}{x}" for k, x in v.items())
-  text = str(v)
-  return text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS - 3] + "..."
+def identity(r: Record) -> str:
+  """The record's measured content: the fields a later edit leaves alone, with the
+  implementation's `@label` dropped."""
+  core = {k: v for k, v in r.items() if k not in _VOLATILE}
+  if isinstance(core.get("implementation"), str):
+    core["implementation"] = core["implementation"].split("@")[0]
+  return json.dumps(core, sort_keys=True)
 
 
-def table(records: list[dict], columns: list[str]) -> str:
-  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-  for r in records:
-    lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+def _git(root: pathlib.Path, *args: str) -> str | None:
+  try:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return proc.stdout
+
+
+@functools.cache
+def first_commits(root: pathlib.Path, rel_path: str) -> dict[str, str]:
+  """identity(record) -> short hash of the commit since which `rel_path` holds the record
+  without a break (a record dropped and later written again dates from its return)."""
+  log = _git(root, "log", "--reverse", "--format=%h", "--", rel_path)
+  found: dict[str, str] = {}
+  held: set[str] = set()
+  for commit in (log or "").split():
+    text = _git(root, "show", f"{commit}:{rel_path}")
+    try:
+      now = {identity(r) for r in json.loads(text)} if text else set()
+    except json.JSONDecodeError:
+      continue
+    for key in now - held:
+      found[key] = commit
+    held = now
+  return found
+
+
+class Results:
+  """The records of one results file, newest last (as `common.merge_records` writes them)."""
+
+  def __init__(self, root: pathlib.Path, name: str):
+    self.root, self.rel_path = root, f"benchmarks/results/{name}"
+    path = root / self.rel_path
+    self.records: list[Record] = json.loads(path.read_text()) if path.exists() else []
+
+  def current(self, op: str, **match) -> list[Record]:
+    """Records of `op` without an `@label`, the newest per identity-less key."""
+    newest: dict[str, Record] = {}
+    for r in self.records:
+      impl = r.get("implementation", "")
+      if r.get("op") != op or "@" in str(impl) or r.get("error"):
+        continue
+      if any(r.get(k) != v for k, v in match.items()):
+        continue
+      key = {k: v for k, v in r.items()
+             if k in ("implementation", "pass", "shape", "B", "T", "H", "config", "tokens",
+                      "kda_impl", "ragged_dot_impl", "gate_up_train")}
+      newest[json.dumps(key, sort_keys=True)] = r
+    return list(newest.values())
+
+  def provenance(self, r: Record) -> str:
+    commit = first_commits(self.root, self.rel_path).get(identity(r), "not yet committed")
+    return f"{r.get('date', '?')} {commit}"
+
+  def caption(self, records: list[Record]) -> str:
+    runs = sorted({self.provenance(r) for r in records})
+    return f"Recorded ({self.rel_path}; date measured, commit that added it): {'; '.join(runs)}."
+
+
+def _table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> str:
+  align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
   return "\n".join(lines)
 
 
-def render() -> str:
-  out = []
-  for path in sorted(glob.glob("benchmarks/results/*.json")):
-    with open(path) as f:
-      records = json.load(f)
-    if not records:
-      continue
-    ops = sorted({r.get("op", "?") for r in records})
-    for op in ops:
-      recs = [r for r in records if r.get("op") == op]
-      keys = []
-      for r in recs:
-        keys += [k for k in r if k not in keys and k not in _SKIP]
-      if any("error" in r for r in recs):
-        keys.append("error")
-      where = sorted({f"{r.get('device')}, {r.get('date')}" for r in recs})
-      out.append(f"### `{op}` ({os.path.basename(path)}; {'; '.join(where)})\n\n"
-                 + table(recs, keys))
-  return "\n\n".join(out)
+def _shape(s: dict) -> str:
+  return " ".join(f"{k}{v}" for k, v in s.items())
+
+
+def _num(x: float | None, digits: int = 0) -> str:
+  return "" if x is None else f"{x:.{digits}f}"
+
+
+def _grid(records: list[Record], row_of: Callable[[Record], str], col_of: Callable[[Record], str],
+          cell: Callable[[Record], str], rows: list[tuple[str, str]], cols: list[tuple[str, str]],
+          corner: str) -> str:
+  """A table of `cell(r)` at (row_of(r), col_of(r)); `rows` / `cols` are (key, label) pairs,
+  rows without any record are dropped."""
+  at = {(row_of(r), col_of(r)): r for r in records}
+  body = []
+  for rk, rl in rows:
+    cells = [cell(at[rk, ck]) if (rk, ck) in at else "" for ck, _ in cols]
+    if any(cells):
+      body.append([rl] + cells)
+  return _table([corner] + [cl for _, cl in cols], body)
+
+
+def kda(root: pathlib.Path) -> str:
+  res = Results(root, "kda_h200.json")
+  recs = res.current("chunk_kda")
+  fla = {(r["H"], r["pass"]): r["median_ms"] for r in recs if r["implementation"] == "fla"}
+  cols = [(f"{p} {h}", f"{p}, H = {h}") for h in (32, 96) for p in ("fwd", "fwd+bwd")]
+
+  def cell(r):
+    text = f"{r['median_ms']:.3f} ({r['tflops']:.0f})"
+    ref = fla.get((r["H"], r["pass"]))
+    if ref and r["implementation"] != "fla":
+      text += f", {ref / r['median_ms']:.2f}x fla"
+    return text
+
+  rows = [("mosaic_gpu", "k3jax `mosaic_gpu` (default on Hopper)"),
+          ("fla", "fla-core `chunk_kda` (Triton)"),
+          ("mosaic_gpu_bwd_xla", "k3jax `mosaic_gpu`, `backward=\"kernel\"` (1)"),
+          ("chunked", "k3jax `chunked`, pure JAX (1)")]
+  keep = [r for r in recs if r["implementation"] in dict(rows)]
+  table = _grid(keep, lambda r: r["implementation"], lambda r: f"{r['pass']} {r['H']}", cell,
+                rows, cols, "ms (TFLOP/s)")
+  return f"{table}\n\n{res.caption(keep)}"
+
+
+def kda_accuracy(root: pathlib.Path) -> str:
+  res = Results(root, "kda_accuracy_h200.json")
+  recs = res.current("chunk_kda_accuracy")
+  names = ("o", "dq", "dk", "dv", "dg", "dbeta")
+  body = [[f"{r['implementation']}, H = {r['H']}"]
+          + [f"{r['rel_l2_vs_fp64'][n]:.1e}" for n in names] for r in recs]
+  return f"{_table(['relative L2 vs fp64', *names], body)}\n\n{res.caption(recs)}"
+
+
+def moe_gemm(root: pathlib.Path) -> str:
+  res = Results(root, "moe_h200.json")
+  recs = [r for op in ("moe_gmm", "moe_gmm_d_lhs", "moe_gmm_d_rhs", "dense_matmul_same_flops")
+          for r in res.current(op) if r["shape"].get("G") is not None]
+  shapes = []
+  for r in recs:
+    if _shape(r["shape"]) not in shapes:
+      shapes.append(_shape(r["shape"]))
+  product = {"moe_gmm_d_lhs": "d_lhs", "moe_gmm_d_rhs": "d_rhs"}
+  row_of = lambda r: f"{r['implementation']} {product.get(r['op'], r['pass'])}"
+  rows = [("k3jax_mosaic_gpu fwd", "k3jax `mosaic_gpu`, fwd (default on Hopper)"),
+          ("k3jax_mosaic_gpu fwd+bwd", "k3jax `mosaic_gpu`, fwd+bwd"),
+          ("k3jax_mosaic_gpu d_lhs", "k3jax `mosaic_gpu`, d_lhs alone"),
+          ("k3jax_mosaic_gpu d_rhs", "k3jax `mosaic_gpu`, d_rhs alone"),
+          ("torch_grouped_mm fwd", "torch `_grouped_mm`, fwd"),
+          ("torch_grouped_mm fwd+bwd", "torch `_grouped_mm`, fwd+bwd (autograd)"),
+          ("jax_example_mgpu fwd", "JAX's example Mosaic GPU kernels, fwd"),
+          ("jax_example_mgpu fwd+bwd", "JAX's example Mosaic GPU kernels, fwd+bwd"),
+          ("xla_ragged_dot fwd", "`jax.lax.ragged_dot`, fwd"),
+          ("xla_ragged_dot fwd+bwd", "`jax.lax.ragged_dot`, fwd+bwd"),
+          ("xla fwd", "dense XLA matmul of the same FLOPs (ceiling)")]
+  keep = [r for r in recs if row_of(r) in dict(rows)]
+  table = _grid(keep, row_of, lambda r: _shape(r["shape"]), lambda r: _num(r["tflops"]),
+                rows, [(s, s) for s in shapes], "TFLOP/s")
+  ours = {(row_of(r), _shape(r["shape"])): r["tflops"] for r in keep}
+  ratio = [[f"ours / torch, {p}"]
+           + [f"{ours[f'k3jax_mosaic_gpu {p}', s] / ours[f'torch_grouped_mm {p}', s]:.2f}"
+              if (f"k3jax_mosaic_gpu {p}", s) in ours and (f"torch_grouped_mm {p}", s) in ours
+              else "" for s in shapes] for p in ("fwd", "fwd+bwd")]
+  table += "\n" + "\n".join("| " + " | ".join(row) + " |" for row in ratio)
+  return f"{table}\n\n{res.caption(keep)}"
+
+
+def ceilings(root: pathlib.Path) -> str:
+  res = Results(root, "moe_h200.json")
+  recs = [r for r in res.current("dense_matmul") if r["implementation"] in ("xla", "torch")]
+  body = [[f"bf16 matmul {_shape(r['shape'])}, {r['implementation']}", _num(r["tflops"], 1)]
+          for r in recs]
+  return f"{_table(['dense matmul', 'TFLOP/s'], body)}\n\n{res.caption(recs)}"
+
+
+def moe_layer(root: pathlib.Path) -> str:
+  res = Results(root, "moe_h200.json")
+  recs = res.current("moe_layer", config="k3_small")
+  tiers = [("default", "default"), ("fused_fwd", "fused_fwd"), ("unfused", "unfused"),
+           ("xla", "xla")]
+  def split(r):
+    name = r["implementation"].removeprefix("layer_")
+    device = name.endswith("_device")
+    name = name.removesuffix("_device")
+    passes, _, tier = name.partition("_")
+    return passes + (", device time" if device else ""), tier
+
+  whole = [r for r in recs
+           if r["implementation"].startswith("layer_") and split(r)[1] in dict(tiers)]
+  rows = [(p, p) for p in ("fwd", "fwd, device time", "fwd+bwd", "fwd+bwd, device time")]
+  table = _grid(whole, lambda r: split(r)[0], lambda r: split(r)[1],
+                lambda r: f"{r['median_ms']:.3f}", rows, tiers, "layer, ms")
+  by = {r["implementation"]: r["median_ms"] for r in recs}
+  parts = [("routing_fused_device", "routing + permutations without dispatch, fwd, device "
+            "(the fused gate/up kernel gathers)", "layer_fwd_default_device"),
+           ("routing_and_permutation_device", "routing + permutations, fwd, device",
+            "layer_fwd_unfused_device"),
+           ("routing_and_permutation_fwd+bwd_device",
+            "routing + permutations with their VJPs, device", "layer_fwd+bwd_default_device"),
+           ("grouped_gemms_default", "the three grouped matmuls alone, `mosaic_gpu`", None),
+           ("grouped_gemms_xla", "the three grouped matmuls alone, `jax.lax.ragged_dot`", None),
+           ("dense_same_flops", "dense bf16 matmul of the same FLOPs (ceiling)", None),
+           ("elementwise_situ", "SiTU on the gate and up products (XLA)", None),
+           ("elementwise_add_same_bytes", "an add of the same bytes (HBM rate)", None)]
+  body = []
+  for name, label, whole_name in parts:
+    if name in by:
+      share = (f"{by[name] / by[whole_name]:.1%} of `{whole_name}`"
+               if whole_name in by else "")
+      body.append([label, f"{by[name]:.3f}", share])
+  part_recs = [r for r in recs if r["implementation"] in {p[0] for p in parts}]
+  return (f"{table}\n\n{_table(['part', 'ms', 'share'], body)}\n\n"
+          f"{res.caption(whole + part_recs)}")
+
+
+def moe_gate_up(root: pathlib.Path) -> str:
+  res = Results(root, "moe_h200.json")
+  recs = res.current("moe_gate_up")
+  cols = []
+  for r in recs:
+    if _shape(r["shape"]) not in cols:
+      cols.append(_shape(r["shape"]))
+  rows = [("triton", "fused kernel (default on Hopper)"),
+          ("triton+gate_up", "fused, also writing gate/up (removed)"),
+          ("unfused", "unfused: XLA gather + `mosaic_gpu` grouped matmul + SiTU"),
+          ("unfused_no_gather", "unfused, rows gathered beforehand")]
+  table = _grid(recs, lambda r: r["implementation"], lambda r: _shape(r["shape"]),
+                lambda r: f"{r['median_ms']:.3f} ({r['tflops']:.0f})", rows,
+                [(c, c) for c in cols], "ms (TFLOP/s)")
+  return f"{table}\n\n{res.caption(recs)}"
+
+
+def top_k(root: pathlib.Path) -> str:
+  res = Results(root, "moe_h200.json")
+  recs = res.current("top_k")
+  shapes = []
+  for r in recs:
+    if _shape(r["shape"]) not in shapes:
+      shapes.append(_shape(r["shape"]))
+  cols = [("lax", "`jax.lax.top_k`"), ("triton", "`pallas_kernels.top_k` (default on GPUs)"),
+          ("ranks", "compare-and-count ranks (removed)")]
+  table = _grid(recs, lambda r: _shape(r["shape"]), lambda r: r["implementation"],
+                lambda r: f"{r['median_ms'] * 1e3:.1f}", [(s, s) for s in shapes], cols,
+                "us per call")
+  return f"{table}\n\n{res.caption(recs)}"
+
+
+def train_step(root: pathlib.Path) -> str:
+  res = Results(root, "train_h200.json")
+  recs = res.current("train_step")
+  body = [[f"{r['config']} B {r['B']} x T {r['T']}",
+           f"{r.get('kda_impl')} / {r.get('ragged_dot_impl')} / {r.get('gate_up_train')}",
+           f"{r['step_ms']:.1f}", f"{r['tokens_per_s'] / 1e3:.1f}k", _num(r["model_tflops"], 1),
+           f"{r['mfu']:.1%}", _num(r.get("compile_and_warmup_s")), res.provenance(r)]
+          for r in sorted(recs, key=lambda r: r["step_ms"])]
+  header = ["config", "kda_impl / ragged_dot_impl / gate_up_train", "ms / step", "tokens/s", "model TFLOP/s", "MFU",
+            "compile + warm-up, s", "recorded"]
+  return (f"{_table(header, body, text_columns=2)}\n\n"
+          f"Recorded: benchmarks/results/train_h200.json (date measured, commit that added it).")
+
+
+TABLES: dict[str, Callable[[pathlib.Path], str]] = {
+    "ceilings": ceilings, "kda": kda, "kda_accuracy": kda_accuracy, "moe_gemm": moe_gemm,
+    "moe_layer": moe_layer, "moe_gate_up": moe_gate_up, "top_k": top_k,
+    "train_step": train_step}
+
+
+def fill(doc: str, tables: dict[str, str]) -> str:
+  """`doc` with the text between each `<!-- report:NAME -->` and `<!-- /report:NAME -->`
+  replaced by `tables[NAME]`; a marker pair missing from `doc` is a ValueError."""
+  for name, text in tables.items():
+    begin, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
+    head, found, rest = doc.partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not (found and found_end):
+      raise ValueError(f"doc: no '{begin}' ... '{end}' pair for table {name!r}")
+    doc = f"{head}{begin}\n{text}\n{end}{tail}"
+  return doc
+
+
+def render(root: pathlib.Path = _ROOT) -> dict[str, str]:
+  return {name: make(root) for name, make in TABLES.items()}
 
 
 def main(argv):
   del argv
-  text = render()
+  tables = render()
   if not _WRITE.value:
-    print(text)
+    print("\n\n".join(f"## {name}\n\n{text}" for name, text in tables.items()))
     return
-  with open("BENCHMARKS.md") as f:
-    doc = f.read()
-  head, _, rest = doc.partition(_MARK_BEGIN)
-  _, _, tail = rest.partition(_MARK_END)
-  with open("BENCHMARKS.md", "w") as f:
-    f.write(f"{head}{_MARK_BEGIN}\n{text}\n{_MARK_END}{tail}")
+  path = _ROOT / "BENCHMARKS.md"
+  path.write_text(fill(path.read_text(), tables))
 
 
 if __name__ == "__main__":
