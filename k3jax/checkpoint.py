@@ -15,6 +15,8 @@ saving (arrays are copied off the device before `save` returns, files are
 written in a background thread) safe; `wait()`/`close()` block until the last
 save is committed.
 """
+import contextlib
+import logging as py_logging
 import os
 import signal
 import threading
@@ -23,10 +25,16 @@ from typing import Any
 
 from absl import logging
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 _STOP_REQUESTED = threading.Event()
-_REASON_CHARS = 400
+_REASON_CHARS = 300
+_MISMATCHES_SHOWN = 5
+# Status codes of tensorstore / orbax errors -> what they mean for a checkpoint file.
+_CAUSES = (("OUT_OF_RANGE", "file truncated"), ("DATA_LOSS", "file damaged"),
+           ("NOT_FOUND", "file missing"), ("Invalid JSON", "file damaged"),
+           ("FileNotFoundError", "file missing"), ("JSONDecodeError", "file damaged"))
 
 
 def install_sigterm_handler() -> Any:
@@ -46,8 +54,61 @@ def install_sigterm_handler() -> Any:
   return signal.signal(signal.SIGTERM, _handler)
 
 
-class CheckpointRestoreError(RuntimeError):
+class CheckpointError(RuntimeError):
+  """A checkpoint directory that cannot serve this run; the message names what and why."""
+
+
+class CheckpointRestoreError(CheckpointError):
   """Checkpoints exist but none of them can be restored."""
+
+
+class CheckpointMismatchError(CheckpointError):
+  """A readable checkpoint holds parameters of other names or shapes than this run's."""
+
+
+def failure_reason(error: BaseException) -> str:
+  """The innermost cause of a failed restore on one line, e.g. `file truncated: Error
+  reading "params.lm_head.kernel/0.0" in OCDBT database at local file ...`."""
+  seen, root = [], error
+  while root is not None and root not in seen:
+    seen.append(root)
+    root = root.__cause__ or root.__context__ or None
+  root = seen[-1]
+  text = " ".join(f"{type(root).__name__}: {root}".split())
+  label = next((label for code, label in _CAUSES if code in text), None)
+  if label is None:
+    label = type(root).__name__
+  else:
+    text = text.split(": ", 1)[1]
+  return f"{label}: {text[:_REASON_CHARS]}"
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+  """Holds back orbax / grain / asyncio log records (tracebacks per array) unless absl's
+  verbosity is INFO or more (launch programs: --verbose)."""
+  if logging.level_info():
+    yield
+    return
+  loggers = [py_logging.getLogger(name) for name in ("absl", "asyncio")]
+  levels = [lg.level for lg in loggers]
+  for lg in loggers:
+    lg.setLevel(py_logging.CRITICAL + 1)
+  try:
+    yield
+  finally:
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+
+
+_CHECKED = ("params", "buffers")
+
+
+def _named_shapes(state: Any) -> dict[str, tuple[int, ...]]:
+  """{orbax name: shape} of the `params` and `buffers` of a train state (a dict)."""
+  tree = {k: state[k] for k in _CHECKED if isinstance(state, dict) and k in state}
+  names = ocp.tree.get_param_names(tree)
+  return dict(zip(jax.tree.leaves(names), (tuple(x.shape) for x in jax.tree.leaves(tree))))
 
 
 class Checkpointer:
@@ -92,34 +153,68 @@ class Checkpointer:
     empty directory) is reported with logging.warning and the one before is
     tried; unreadable steps newer than the restored one are renamed to
     `<step>.unreadable-<unix time>` so the run can write those steps again.
-    Raises CheckpointRestoreError if checkpoints exist but none can be restored.
+    Raises CheckpointMismatchError, before restoring anything, if a readable step holds
+    parameters (or buffers) of other names or shapes than `abstract_state`: a changed model
+    config, not damage. Raises CheckpointRestoreError if checkpoints exist but none can be
+    restored. Library logs of the failed attempts are held back (`quiet_libraries`).
     """
     self._manager.reload()
     steps = sorted(self._manager.all_steps(), reverse=True)
     if not steps:
       return None
     failures: list[tuple[int, str]] = []
-    for step in steps:
-      try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(data_iter)))
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        # orbax, tensorstore and json report a damaged step with many exception types.
-        reason = f"{type(e).__name__}: {e}"[:_REASON_CHARS]
-        logging.warning("checkpoint step %d in %s cannot be restored (%s); falling back to "
-                        "the checkpoint before it", step, self.directory, reason)
-        failures.append((step, reason))
-        continue
-      if failures:
-        self._set_aside([s for s, _ in failures])
-      logging.info("restored checkpoint step %d from %s", step, self.directory)
-      return step, restored.state
-    details = "\n".join(f"  step {s}: {r}" for s, r in failures)
-    raise CheckpointRestoreError(
-        f"none of the {len(steps)} checkpoints in {self.directory} can be restored; refusing "
-        f"to start from step 0. Fix or move them away (a changed model/optimizer structure "
-        f"also causes this):\n{details}")
+    restored = None
+    with quiet_libraries():
+      for step in steps:
+        self._check_shapes(step, abstract_state)
+        try:
+          restored = self._manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract_state),
+              data=grain.checkpoint.CheckpointRestore(data_iter)))
+          break
+        except Exception as e:  # pylint: disable=broad-exception-caught
+          # orbax, tensorstore and json report a damaged step with many exception types.
+          failures.append((step, failure_reason(e)))
+    for bad, reason in failures:
+      logging.warning("checkpoint step %d in %s cannot be restored (%s)", bad, self.directory,
+                      reason)
+    if restored is None:
+      details = "\n".join(f"  step {s}: {r}" for s, r in failures)
+      raise CheckpointRestoreError(
+          f"none of the {len(steps)} checkpoints in {self.directory} can be restored; refusing "
+          f"to start from step 0. Fix or move them away (a changed optimizer also causes "
+          f"this):\n{details}")
+    if failures:
+      logging.warning("falling back to checkpoint step %d", step)
+      self._set_aside([s for s, _ in failures])
+    logging.info("restored checkpoint step %d from %s", step, self.directory)
+    return step, restored.state
+
+  def _check_shapes(self, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointMismatchError if `step`'s params/buffers differ from the run's.
+
+    A step whose metadata cannot be read, or lists no parameters, is left to the restore
+    (damage, not mismatch).
+    """
+    try:
+      meta = self._manager.item_metadata(step)["state"]
+      saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(meta)
+               if m.name.split(".")[0] in _CHECKED}
+    except Exception:  # pylint: disable=broad-exception-caught
+      return
+    if not saved:
+      return
+    want = _named_shapes(abstract_state)
+    lines = [f"  {n}: checkpoint {list(saved[n])}, this run {list(want[n])}"
+             for n in sorted(want) if n in saved and saved[n] != want[n]]
+    lines += [f"  {n}: only in this run" for n in sorted(set(want) - set(saved))]
+    lines += [f"  {n}: only in the checkpoint" for n in sorted(set(saved) - set(want))]
+    if lines:
+      more = len(lines) - _MISMATCHES_SHOWN
+      shown = lines[:_MISMATCHES_SHOWN] + ([f"  ... and {more} more"] if more > 0 else [])
+      raise CheckpointMismatchError(
+          f"checkpoint step {step} in {self.directory} was trained with another model config; "
+          f"{len(lines)} parameters differ:\n" + "\n".join(shown))
 
   def _set_aside(self, steps: list[int]) -> None:
     """Renames unreadable step directories out of orbax's view (primary process only)."""

@@ -2,6 +2,7 @@
 
 Every error names the offending field (`model.kda.num_heads`) and what is allowed.
 """
+import difflib
 import importlib.util
 import json
 import os
@@ -35,12 +36,32 @@ class ConfigError(ValueError):
     self.field = field
 
 
+def unknown_field(field: str, allowed) -> ConfigError:
+  """The error for a field the schema lacks: the allowed names there and a close match."""
+  key = field.rpartition(".")[2]
+  allowed = sorted(allowed)
+  close = difflib.get_close_matches(key, allowed, n=1)
+  hint = f"; did you mean `{field[:len(field) - len(key)]}{close[0]}`?" if close else ""
+  return ConfigError(field, f"unknown field; allowed names here: {allowed}{hint}")
+
+
+def check_field(field: str) -> None:
+  """Raises ConfigError unless the dotted `field` names a field of the schema."""
+  node, prefix = base.get_base_config(), ""
+  for part in field.split("."):
+    if not isinstance(node, ml_collections.ConfigDict):
+      raise ConfigError(prefix.rstrip("."), f"is a value, not a section; cannot set `{field}`")
+    if part not in node:
+      raise unknown_field(prefix + part, node.keys())
+    node, prefix = node[part], f"{prefix}{part}."
+
+
 def _check_keys(cfg: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
                 prefix: str) -> None:
   for key in cfg.keys():
     field = f"{prefix}{key}"
     if key not in schema:
-      raise ConfigError(field, f"unknown key; allowed keys here: {sorted(schema.keys())}")
+      raise unknown_field(field, schema.keys())
     if isinstance(schema[key], ml_collections.ConfigDict):
       if not isinstance(cfg[key], ml_collections.ConfigDict):
         raise ConfigError(field, "must be a section (ConfigDict)")
@@ -124,6 +145,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                       "quantile_exact keeps every score of the step and cannot be accumulated "
                       "over micro-batches; use quantile (the histogram estimator) or "
                       "train.grad_accum_steps=1")
+  if cfg.data.paths and cfg.data.source == "default":
+    raise ConfigError("data.paths", f"{cfg.data.paths!r} given, but data.source='default' "
+                      "(the generated corpus) ignores paths; set data.source to 'memmap' or "
+                      "'array_record', or drop data.paths")
   if m.kda.gate == "lower_bound" and not m.kda.gate_lower_bound < 0:
     raise ConfigError("model.kda.gate_lower_bound", "must be negative")
   for axis in ("pipeline", "expert", "context"):
@@ -154,6 +179,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return cfg
 
 
+def differences(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:
+  """`field: old -> new` for every leaf field whose value differs, in schema order."""
+  def leaves(node, prefix=""):
+    for key, value in node.items():
+      if isinstance(value, ml_collections.ConfigDict):
+        yield from leaves(value, f"{prefix}{key}.")
+      else:
+        yield f"{prefix}{key}", value
+  before = dict(leaves(old))
+  return [f"{field}: {before.get(field)!r} -> {value!r}" for field, value in leaves(new)
+          if before.get(field) != value]
+
+
 def dtype(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
@@ -174,7 +212,7 @@ def from_json(text: str) -> ml_collections.ConfigDict:
   def merge(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:
     for key, value in values.items():
       if key not in node:
-        raise ConfigError(f"{prefix}{key}", f"unknown key; allowed keys here: {sorted(node.keys())}")
+        raise unknown_field(f"{prefix}{key}", node.keys())
       if isinstance(node[key], ml_collections.ConfigDict):
         merge(node[key], value, f"{prefix}{key}.")
       else:
@@ -197,6 +235,6 @@ def load(path: str, overrides: dict[str, Any] | None = None) -> ml_collections.C
     parent, _, leaf = field.rpartition(".")
     node = get(cfg, parent) if parent else cfg
     if leaf not in node:
-      raise ConfigError(field, "unknown key")
+      raise unknown_field(field, node.keys())
     node[leaf] = value
   return validate(cfg)

@@ -11,6 +11,9 @@ Sources:
     fixed seed, byte-tokenized (token = byte, BOS = 256, EOS = 257).
   * "memmap": `NAME.bin` flat tokens (uint16/uint32, dtype and count in `NAME.json`)
     with `NAME.idx.npy` int64 document start offsets, read through np.memmap.
+    `NAME.json` may hold `max_token_id` (written by tools/make_token_file.py): it is
+    checked against the vocabulary before training; files without it are checked
+    document by document as they are read.
   * "array_record": one document per record, little-endian int32 bytes.
 Token files hold documents exactly as trained on (`tools/make_token_file.py` writes
 BOS + bytes + EOS); the pipeline adds nothing, so any tokenizer's ids can be stored.
@@ -31,6 +34,10 @@ BYTE_VOCAB_SIZE = 258
 DEFAULT_CORPUS_SEED = 0
 SOURCES = ("default", "memmap", "array_record")
 MEMMAP_DTYPES = ("uint16", "uint32")
+
+
+class DataError(ValueError):
+  """Training data that cannot be used as configured; the message names the file or field."""
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -140,7 +147,7 @@ class DefaultCorpus:
 
   def __init__(self, num_docs: int, seed: int = DEFAULT_CORPUS_SEED):
     if num_docs <= 0:
-      raise ValueError(f"config field `data.default_num_docs`: must be positive, got {num_docs}")
+      raise DataError(f"config field `data.default_num_docs`: must be positive, got {num_docs}")
     self.num_docs = num_docs
     self.seed = seed
 
@@ -166,39 +173,44 @@ class MemmapTokenFile:
 
   def __init__(self, bin_path: str):
     if not bin_path.endswith(".bin"):
-      raise ValueError(f"memmap token file {bin_path!r}: expected a NAME.bin path")
+      raise DataError(f"memmap token file {bin_path!r}: expected a NAME.bin path")
     self.path = bin_path
     stem = bin_path[:-len(".bin")]
     meta_path, idx_path = stem + ".json", stem + ".idx.npy"
     for p in (meta_path, idx_path):
       if not os.path.exists(p):
-        raise ValueError(f"memmap token file {bin_path!r}: missing companion file {p!r}")
+        raise DataError(f"memmap token file {bin_path!r}: missing companion file {p!r}")
     try:
       with open(meta_path) as f:
         meta = json.load(f)
       dtype, num_tokens = meta["dtype"], meta["num_tokens"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-      raise ValueError(f"{meta_path!r}: expected JSON {{\"dtype\": ..., \"num_tokens\": ...}} "
+      raise DataError(f"{meta_path!r}: expected JSON {{\"dtype\": ..., \"num_tokens\": ...}} "
                        f"({type(e).__name__}: {e})") from e
     if dtype not in MEMMAP_DTYPES:
-      raise ValueError(f"{meta_path!r}: dtype {dtype!r} not in {list(MEMMAP_DTYPES)}")
+      raise DataError(f"{meta_path!r}: dtype {dtype!r} not in {list(MEMMAP_DTYPES)}")
     if not isinstance(num_tokens, int) or num_tokens <= 0:
-      raise ValueError(f"{meta_path!r}: num_tokens must be a positive integer, got {num_tokens!r}")
+      raise DataError(f"{meta_path!r}: num_tokens must be a positive integer, got {num_tokens!r}")
+    max_id = meta.get("max_token_id")
+    if max_id is not None and (not isinstance(max_id, int) or max_id < 0):
+      raise DataError(f"{meta_path!r}: max_token_id must be a non-negative integer, got "
+                      f"{max_id!r}")
+    self.meta_path, self.max_token_id = meta_path, max_id
     self.dtype = np.dtype(dtype).newbyteorder("<")
     self.num_tokens = num_tokens
     size = os.path.getsize(bin_path)
     if size != num_tokens * self.dtype.itemsize:
-      raise ValueError(f"{bin_path!r}: size {size} bytes does not match num_tokens={num_tokens} "
+      raise DataError(f"{bin_path!r}: size {size} bytes does not match num_tokens={num_tokens} "
                        f"x {self.dtype.itemsize} bytes ({dtype}) from {meta_path!r}")
     starts = np.load(idx_path)
     if starts.ndim != 1 or starts.dtype != np.int64 or starts.size == 0:
-      raise ValueError(f"{idx_path!r}: expected a non-empty 1-D int64 array of document start "
+      raise DataError(f"{idx_path!r}: expected a non-empty 1-D int64 array of document start "
                        f"offsets, got shape {starts.shape} dtype {starts.dtype}")
     ends = np.append(starts[1:], num_tokens)
     bad = np.flatnonzero(ends <= starts)
     if starts[0] != 0 or bad.size:
       where = 0 if starts[0] != 0 else int(bad[0])
-      raise ValueError(f"{idx_path!r}: document start offsets must begin at 0, be strictly "
+      raise DataError(f"{idx_path!r}: document start offsets must begin at 0, be strictly "
                        f"increasing and stay below num_tokens={num_tokens}; entry {where} = "
                        f"{int(starts[where])} breaks this")
     self.starts, self.ends = starts, ends
@@ -232,7 +244,7 @@ class ArrayRecordTokenFile:
     """Document `doc`; records are not offsets into a flat array, so no offset."""
     record = self._source[doc]
     if len(record) % 4:
-      raise ValueError(f"{self.path!r}: record (document) {doc} has {len(record)} bytes, "
+      raise DataError(f"{self.path!r}: record (document) {doc} has {len(record)} bytes, "
                        "not a multiple of 4 (expected little-endian int32 tokens)")
     return np.frombuffer(record, dtype="<i4"), None
 
@@ -240,13 +252,19 @@ class ArrayRecordTokenFile:
 class TokenFileSource:
   """grain RandomAccessDataSource over the documents of several token files, in order.
 
-  Every document is checked as it is read: an id outside [0, vocab_size) raises a
-  ValueError naming the file, the document index in that file and the offset.
+  A memmap file whose `max_token_id` lies outside the vocabulary is refused here, before
+  training. Every document is also checked as it is read: an id outside [0, vocab_size)
+  raises a DataError naming the file, the document index in that file and the offset.
   """
 
   def __init__(self, files: Sequence[MemmapTokenFile | ArrayRecordTokenFile], vocab_size: int):
     self.files = list(files)
     self.vocab_size = vocab_size
+    for f in self.files:
+      max_id = getattr(f, "max_token_id", None)
+      if max_id is not None and max_id >= vocab_size:
+        raise DataError(f"{f.path!r}: its largest token id is {max_id} ({f.meta_path!r}), "
+                        f"outside [0, model.vocab_size={vocab_size})")
     counts = np.array([len(f) for f in self.files], dtype=np.int64)
     self._first_doc = np.concatenate([[0], np.cumsum(counts)])
 
@@ -264,7 +282,7 @@ class TokenFileSource:
     if bad.size:
       off = int(bad[0])
       where = "" if file_offset is None else f", token {file_offset + off} of the file"
-      raise ValueError(f"{self.files[f].path!r}: token id {int(tokens[off])} at document {doc}, "
+      raise DataError(f"{self.files[f].path!r}: token id {int(tokens[off])} at document {doc}, "
                        f"offset {off}{where} is outside [0, vocab_size={self.vocab_size})")
     return tokens.astype(np.int32)
 
@@ -276,12 +294,12 @@ def resolve_paths(paths: str | Sequence[str], field: str = "data.paths") -> list
   """Expands a glob string or a list of paths/globs into a sorted, de-duplicated list."""
   patterns = [paths] if isinstance(paths, str) else list(paths)
   if not patterns:
-    raise ValueError(f"config field `{field}`: empty; give a list of files or a glob string")
+    raise DataError(f"config field `{field}`: empty; give a list of files or a glob string")
   out: list[str] = []
   for p in patterns:
     matches = sorted(glob.glob(os.path.expanduser(p)))
     if not matches:
-      raise ValueError(f"config field `{field}`: {p!r} matches no files")
+      raise DataError(f"config field `{field}`: {p!r} matches no files")
     out.extend(m for m in matches if m not in out)
   return out
 
@@ -290,17 +308,17 @@ def make_source(data_cfg: ml_collections.ConfigDict, vocab_size: int):
   """The grain data source that `data_cfg` describes (see module docstring)."""
   source = data_cfg.source
   if source not in SOURCES:
-    raise ValueError(f"config field `data.source`: got {source!r}; allowed values: {list(SOURCES)}")
+    raise DataError(f"config field `data.source`: got {source!r}; allowed values: {list(SOURCES)}")
   if source == "default":
     if vocab_size < BYTE_VOCAB_SIZE:
-      raise ValueError(f"vocab_size={vocab_size} is too small for the byte tokenizer of the "
+      raise DataError(f"vocab_size={vocab_size} is too small for the byte tokenizer of the "
                        f"default corpus; need >= {BYTE_VOCAB_SIZE}")
     return DefaultCorpus(data_cfg.default_num_docs)
   paths = resolve_paths(data_cfg.paths)
   if source == "memmap":
     bins = [p for p in paths if p.endswith(".bin")]
     if not bins:
-      raise ValueError(f"config field `data.paths`: no NAME.bin files among {paths}")
+      raise DataError(f"config field `data.paths`: no NAME.bin files among {paths}")
     return TokenFileSource([MemmapTokenFile(p) for p in bins], vocab_size)
   return TokenFileSource([ArrayRecordTokenFile(p) for p in paths], vocab_size)
 
@@ -388,17 +406,17 @@ def make_train_iterator(data_cfg: ml_collections.ConfigDict, *, seq_len: int, ba
   for name, value in (("seq_len", seq_len), ("batch_size", batch_size),
                       ("shard_count", shard_count)):
     if value <= 0:
-      raise ValueError(f"{name} must be positive, got {value}")
+      raise DataError(f"{name} must be positive, got {value}")
   if not 0 <= shard_index < shard_count:
-    raise ValueError(f"shard_index must lie in [0, shard_count={shard_count}), got {shard_index}")
+    raise DataError(f"shard_index must lie in [0, shard_count={shard_count}), got {shard_index}")
   if not 0 <= seed < 2**32:
-    raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
+    raise DataError(f"seed must lie in [0, 2**32), got {seed}")
   if data_cfg.num_workers < 0:
-    raise ValueError(f"config field `data.num_workers`: must be >= 0, got {data_cfg.num_workers}")
+    raise DataError(f"config field `data.num_workers`: must be >= 0, got {data_cfg.num_workers}")
   source = make_source(data_cfg, vocab_size)
   docs = grain.MapDataset.source(source)[shard_index::shard_count]
   if len(docs) == 0:
-    raise ValueError(f"shard {shard_index} of {shard_count} has no documents "
+    raise DataError(f"shard {shard_index} of {shard_count} has no documents "
                      f"({len(source)} documents in the source)")
   docs = docs.shuffle(seed=seed).repeat(None).to_iter_dataset(
       grain.ReadOptions(num_threads=2, prefetch_buffer_size=64))

@@ -5,10 +5,11 @@ Loads the newest readable checkpoint in DIR (or `--step`), byte-tokenizes the pr
 samples up to --max_new_tokens bytes (stopping at EOS) and prints the prompt and the
 continuation; bytes that are not valid UTF-8 print as U+FFFD. --temperature=0 is greedy.
 """
-from absl import app, flags, logging
+from absl import app, flags
 
 from k3jax import data
 from k3jax import generate
+from launch import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json, checkpoints/).")
 _PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
@@ -25,8 +26,6 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   if not 0 < _TOP_P.value <= 1:
     raise app.UsageError(f"--top_p must lie in (0, 1], got {_TOP_P.value}")
   model, cfg, step = generate.load_model(_WORKDIR.value, step=_STEP.value)
@@ -43,4 +42,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -13,6 +13,7 @@ from ml_collections import config_flags
 
 from k3jax import config as config_lib
 from k3jax import plan as plan_lib
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -37,4 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

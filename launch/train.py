@@ -3,13 +3,21 @@ r"""Train a K3 model: `python -m launch.train --config=experiments/configs/k3_ti
 Re-running the same command resumes from the newest valid checkpoint in DIR. Overrides:
 `--config.train.steps=100`, `--config.model.moe.balancing=sign`, ... `--profile_steps=5,8`
 writes an XLA profiler trace of steps [5, 8) into DIR/profile.
+
+Exit status: 0 when train.steps are done; 75 (EX_TEMPFAIL) after SIGTERM, once the checkpoint
+is saved (preempted: run the same command again); 2 on a config, data or checkpoint error,
+with a short message (`--verbose`: the traceback).
 """
+import sys
+
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from k3jax import checkpoint
 from k3jax import config as config_lib
 from k3jax import loop
+from launch import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -35,14 +43,14 @@ def _profile_window(text: str) -> tuple[int, int] | None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   cfg = config_lib.validate(_CONFIG.value)
   window = _profile_window(_PROFILE.value)
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   loop.run(cfg, _WORKDIR.value, profile_window=window)
+  if checkpoint.Checkpointer.should_stop():
+    sys.exit(cli.EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

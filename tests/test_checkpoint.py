@@ -139,9 +139,38 @@ def test_structure_mismatch_is_not_a_silent_restart(tmp_path):
   _save_steps(tmp_path, [3])
   ckpt = checkpoint.Checkpointer(str(tmp_path), every_n_steps=1, max_to_keep=5)
   wrong = {"params": {"other": jax.ShapeDtypeStruct((2,), jnp.float32)}}
-  with pytest.raises(checkpoint.CheckpointRestoreError, match="step 3"):
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="step 3") as e:
     ckpt.restore_latest(wrong, _iterator())
+  assert "params.other: only in this run" in str(e.value)
+  assert "params.layers.w: only in the checkpoint" in str(e.value)
   ckpt.close()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]  # nothing moved
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
+  _save_steps(tmp_path, [1, 2])
+  state = _abstract(_state(0))
+  state["params"]["embed"] = jax.ShapeDtypeStruct((6, 8), jnp.bfloat16)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), every_n_steps=1, max_to_keep=5)
+  with pytest.raises(checkpoint.CheckpointMismatchError) as e:
+    ckpt.restore_latest(state, _iterator())
+  assert str(e.value).splitlines()[1:] == ["  params.embed: checkpoint [6, 4], this run [6, 8]"]
+  ckpt.close()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+
+
+def test_truncated_file_reason_names_the_cause_in_a_few_lines(tmp_path, caplog):
+  _save_steps(tmp_path, [1, 2])
+  _truncate_arrays(str(tmp_path / "checkpoints" / "2"))
+  ckpt = checkpoint.Checkpointer(str(tmp_path), every_n_steps=1, max_to_keep=5)
+  with caplog.at_level(logging.WARNING):
+    ckpt.restore_latest(_abstract(_state(0)), _iterator())
+  ckpt.close()
+  assert {r.filename for r in caplog.records} == {"checkpoint.py"}  # no library records
+  text = "\n".join(r.getMessage() for r in caplog.records)
+  assert len(text.splitlines()) <= 3, text
+  assert "step 2" in text and "file truncated: " in text and "Traceback" not in text
+  assert "falling back to checkpoint step 1" in text
 
 
 def test_leftover_tmp_directory_is_ignored(tmp_path):

@@ -61,10 +61,29 @@ def test_unknown_key_is_named():
   cfg = config.load("experiments/configs/k3_tiny.py")
   cfg.model.unlock()
   cfg.model.num_heads = 4
-  with pytest.raises(config.ConfigError, match="model.num_heads.*unknown key"):
+  with pytest.raises(config.ConfigError, match="model.num_heads.*unknown field"):
     config.validate(cfg)
   with pytest.raises(config.ConfigError, match="model.nonexistent"):
     config.load("experiments/configs/k3_tiny.py", {"model.nonexistent": 1})
+
+
+def test_unknown_field_lists_names_and_a_close_match():
+  with pytest.raises(config.ConfigError) as e:
+    config.check_field("model.hiden_size")
+  assert e.value.field == "model.hiden_size"
+  assert "'hidden_size'" in str(e.value) and "did you mean `model.hidden_size`?" in str(e.value)
+  with pytest.raises(config.ConfigError, match="`train.zzz`: unknown field; allowed names here: "
+                     r"\['adam_b1'") as e:
+    config.check_field("train.zzz")
+  assert "did you mean" not in str(e.value)
+  with pytest.raises(config.ConfigError, match="`model.hidden_size`: is a value"):
+    config.check_field("model.hidden_size.x")
+  config.check_field("model.kda.gate")
+
+
+def test_paths_with_the_generated_corpus_is_an_error():
+  with pytest.raises(config.ConfigError, match="`data.paths`: .*data.source='default'"):
+    config.load("experiments/configs/k3_tiny.py", {"data.paths": ("a.bin",)})
 
 
 def test_json_round_trip():

@@ -122,7 +122,8 @@ def test_memmap_and_array_record_round_trip(tmp_path):
   make_token_file.write_memmap(encoded, str(tmp_path / "mm" / "train"), "uint32")
   make_token_file.write_array_record(encoded, str(tmp_path / "ar" / "train"))
   with open(tmp_path / "mm" / "train.json") as f:
-    assert json.load(f) == {"dtype": "uint32", "num_tokens": sum(e.size for e in encoded)}
+    assert json.load(f) == {"dtype": "uint32", "num_tokens": sum(e.size for e in encoded),
+                            "max_token_id": max(int(e.max()) for e in encoded)}
   cfgs = [_cfg("memmap", str(tmp_path / "mm" / "*")),
           _cfg("array_record", [str(tmp_path / "ar" / "train.array_record")])]
   for cfg in cfgs:
@@ -154,6 +155,13 @@ def test_out_of_vocab_token_names_file_and_position(tmp_path):
   docs = _id_docs(5, max_len=8)
   docs[3] = np.array([1, 2, 3, 4, 5, 300, 7], dtype=np.int32)
   make_token_file.write_memmap(docs, str(tmp_path / "bad"))
+  with pytest.raises(data.DataError, match=r"bad\.bin.*largest token id is 300.*bad\.json.*"
+                                           r"vocab_size=258"):
+    data.make_source(_cfg("memmap", str(tmp_path / "bad.bin")), vocab_size=258)
+  # A file written without max_token_id is checked document by document.
+  meta = json.loads((tmp_path / "bad.json").read_text())
+  del meta["max_token_id"]
+  (tmp_path / "bad.json").write_text(json.dumps(meta))
   src = data.make_source(_cfg("memmap", str(tmp_path / "bad.bin")), vocab_size=258)
   for i in (0, 1, 2, 4):
     src[i]  # pylint: disable=pointless-statement

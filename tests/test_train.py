@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 from k3jax import config, loop, train
 
@@ -19,13 +20,24 @@ OVERRIDES = {"model.num_layers": 4, "model.full_attn_layers": (2, 4),
 
 
 def _losses(workdir):
-  """Loss per step from metrics.jsonl; a re-run step must repeat its value exactly."""
+  """Loss per step from metrics.jsonl, which holds one row per step (also after a resume)."""
   out = {}
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:
       rec = json.loads(line)
-      assert out.setdefault(rec["step"], rec["loss"]) == rec["loss"], rec["step"]
+      assert rec["step"] not in out, f"step {rec['step']} logged twice"
+      out[rec["step"]] = rec["loss"]
   return out
+
+
+def _tensorboard_losses(workdir):
+  """Loss per step as TensorBoard shows it (replayed steps purged after a resume)."""
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tensorboard"))
+  acc.Reload()
+  events = acc.Scalars("loss")
+  steps = [e.step for e in events]
+  assert len(steps) == len(set(steps)), steps
+  return {e.step: e.value for e in events}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +82,7 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(uninterrupted, tmp_path
   assert "resumed from step" in again.stdout + again.stderr
   expected = _losses(uninterrupted[0])
   assert _losses(workdir) == expected
+  assert _tensorboard_losses(workdir) == pytest.approx(expected)
 
 
 def _step(overrides: dict, batch: dict):
