@@ -22,6 +22,11 @@
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
+#   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
+#   REMATS="none save_dots" bash benchmarks/h200_baseline.sh train_remat
+#                                                          # <= 7 min per choice: the k3_small step
+#                                                          # per model.remat choice (REMATS, default
+#                                                          # all five), $OUT/train_remat_X.json
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
 # TRITON_CACHE_DIR (here .triton_cache in the repo); each run packs them into
@@ -167,6 +172,23 @@ PY
         --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json 2>&1 \
         | tee $OUT/train.log | tail -3
       ;;
+    attention)
+      # The attention op's GPU tests, then ours vs cuDNN's own call (ATTN_SHAPES, ATTN_IMPLS).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${ATTN_TEST_S:-120} python3 -m pytest -q \
+        -p no:cacheprovider tests/pallas_kernels/test_attention_gpu.py 2>&1 \
+        | tee $OUT/attention_tests.log | tail -4
+      timeout ${ATTN_BENCH_S:-150} python3 -m benchmarks.attention --out=$OUT/attention_h200.json \
+        --shapes=${ATTN_SHAPES:-2x8192x8,1x8192x32,1x8192x96} \
+        --impls=${ATTN_IMPLS:-reference,xla_blockwise,cudnn,cudnn_own} 2>&1 | tee $OUT/attention.log
+      ;;
+    train_remat)
+      for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
+        echo "== model.remat=$remat"
+        timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+          --config.train.global_batch_size=2 --config.model.remat=$remat ${TRAIN_ARGS:-} \
+          --out=$OUT/train_remat_$remat.json 2>&1 | tee $OUT/train_remat_$remat.log | tail -3
+      done
+      ;;
     train_trace)
       rm -rf /tmp/train_trace
       timeout 450 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
@@ -177,7 +199,8 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_trace)"; exit 2
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention,
+        train_trace)"; exit 2
       ;;
   esac
 done

@@ -18,13 +18,14 @@ _CHOICES = {
     "model.moe.balancing": ("quantile", "quantile_exact", "sign", "none"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full"),
+    "model.remat": ("none", "full", "save_dots", "save_mixer_out", "offload"),
     "train.optimizer": ("adamw", "muon", "muon_whole"),
     "data.source": ("default", "memmap", "array_record"),
     "kernels.kda_impl": ("", "reference", "chunked", "mosaic_gpu", "mosaic_tpu"),
     "kernels.ragged_dot_impl": ("", "xla", "mosaic_gpu", "mosaic_tpu"),
     "kernels.gate_up_impl": ("", "xla", "triton"),
     "kernels.gate_up_train": ("unfused", "kernel"),
+    "kernels.attention_impl": ("", "reference", "xla_blockwise", "cudnn", "mosaic_gpu", "splash"),
 }
 
 

@@ -4,6 +4,8 @@ q = W_qb RMSNorm(W_qa x) per head [nope | rope]; [c | k_rope] = W_kva x; [k_nope
 RMSNorm(c); k = [k_nope | k_rope] with the 64 "rope" channels never rotated; causal softmax at
 scale (dn + dr)^-1/2; output W_o[sigmoid(W_g x) * o]. Training and prefill expand K/V per head;
 decoding uses the absorbed form over the 576-value latent cache [RMSNorm(c) | k_rope].
+Training attention is `pallas_kernels.attention` (flash attention tiers; the written-out form is
+its reference tier), which also returns each head's max logit for QK-Clip.
 """
 import jax
 import jax.numpy as jnp
@@ -11,30 +13,7 @@ from flax import nnx
 
 from k3jax import params
 from k3jax.norms import rms_norm
-
-
-def attention_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, q_positions: jax.Array,
-                   kv_positions: jax.Array) -> jax.Array:
-  """[B, 1, Tq, Tk] bool: causal within the same document (segment id 0 is padding)."""
-  same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-  causal = q_positions[:, :, None] >= kv_positions[:, None, :]
-  return (same & causal)[:, None]
-
-
-def mla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                  scale: float) -> tuple[jax.Array, jax.Array]:
-  """Softmax attention in fp32. q, k: [B, T, H, Dk]; v: [B, S, H, Dv]; mask [B, 1, T, S].
-
-  Returns (o [B, T, H, Dv] fp32, per-head max logit [H] for QK-Clip).
-  """
-  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-  neg = jnp.finfo(jnp.float32).min
-  s = jnp.where(mask, s, neg)
-  max_logit = jnp.max(jnp.where(mask, s, neg), axis=(0, 2, 3))
-  p = jax.nn.softmax(s, axis=-1)
-  p = jnp.where(mask, p, 0.0)
-  o = jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32))
-  return o, max_logit
+from pallas_kernels import attention as attention_op
 
 
 class GatedMLA(nnx.Module):
@@ -43,11 +22,13 @@ class GatedMLA(nnx.Module):
   def __init__(self, dim: int, *, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                use_output_gate: bool, lora_norm_eps: float, rngs: nnx.Rngs,
-               dtype=jnp.float32, param_dtype=jnp.float32):
+               dtype=jnp.float32, param_dtype=jnp.float32, attention_impl: str = ""):
+    """attention_impl: `pallas_kernels.attention` tier ("" = the platform default)."""
     h, dn, dr, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.num_heads, self.dn, self.dr, self.dv, self.kr = h, dn, dr, dv, kv_lora_rank
     self.eps, self.dtype, self.q_lora_rank = lora_norm_eps, dtype, q_lora_rank
     self.scale = (dn + dr) ** -0.5
+    self.attention_impl = attention_impl or None
     lin = params.fan_in_init((0,))
     proj = lambda shape, axes, init=lin: nnx.Dict(kernel=params.param(rngs, init, shape, axes, param_dtype))
     scale = lambda n, ax: nnx.Dict(scale=params.param(rngs, params.ones_init, (n,), (ax,)))
@@ -95,8 +76,10 @@ class GatedMLA(nnx.Module):
                     self.kv_b_proj["kernel"][...].astype(self.dtype))
     k_rope = jnp.broadcast_to(lat[:, :, None, self.kr:], kv.shape[:3] + (self.dr,))
     k = jnp.concatenate([kv[..., :self.dn], k_rope], axis=-1)
-    mask = attention_mask(segment_ids, segment_ids, positions, positions)
-    o, max_logit = mla_attention(q, k, kv[..., self.dn:], mask, self.scale)
+    del positions  # within a document positions follow the token order: causal by index
+    o, max_logit = attention_op.attention(
+        q, k, kv[..., self.dn:], segment_ids=segment_ids, causal=True, scale=self.scale,
+        return_max_logit=True, impl=self.attention_impl)
     return self._output(x, o), max_logit
 
   def decode(self, x: jax.Array, cache: jax.Array, cache_mask: jax.Array

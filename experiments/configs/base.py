@@ -28,7 +28,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   m.mtp_loss_weight = 0.3
   m.dtype = "bfloat16"
   m.param_dtype = "float32"
-  m.remat = "full"  # none | full
+  m.remat = "full"  # none | full | save_dots | save_mixer_out | offload (model.REMAT_POLICIES)
+  m.scan_layers = True  # scan the repeating unit of layers (model.scan_plan); False: unrolled
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 96
@@ -66,6 +67,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn.gate_up_impl = ""  # MoE gather + W1/W3 + SiTU: "" best available, "xla" unfused
   # Its training: "kernel" (also writes SiTU's partials), or "unfused" forward + VJP
   kn.gate_up_train = "kernel"
+  kn.attention_impl = ""  # MLA training attention (pallas_kernels.attention): "" best available
 
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000

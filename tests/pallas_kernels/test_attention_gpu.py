@@ -1,0 +1,79 @@
+"""cudnn and mosaic_gpu attention tiers against the reference on a GPU (skipped elsewhere).
+
+Forward, dq / dk / dv and the per-head max logit, bf16 (cudnn) and f16 (mosaic_gpu), at K3's
+head dims (q/k 192, v 128): causal, non-causal, a length that is no multiple of 64. The plan
+must pick the tier, so a silent fall-through fails the test. Calls with segment ids (packed
+documents, padding id 0) go to the written-out form by default (cudnn declines them).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import attention
+from pallas_kernels.attention import plan
+from pallas_kernels.attention import reference
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
+SCALE = 192 ** -0.5
+
+
+def packed_ids(b, t, docs):
+  """`docs` documents per row (lengths 1 .. ), ids increasing, 5 padding tokens at the end."""
+  cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, t - 5), docs - 1, replace=False))
+  row = np.zeros(t, np.int32)
+  for n, (a, e) in enumerate(zip(np.r_[0, cuts], np.r_[cuts, t - 5])):
+    row[a:e] = n + 1
+  return jnp.asarray(np.stack([row] * b))
+
+
+def check(impl, b, t, h, dk, dv, dtype, ids, causal):
+  ks = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(ks[0], (b, t, h, dk), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (b, t, h, dk), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, t, h, dv), jnp.float32).astype(dtype)
+  w = jax.random.normal(ks[3], (b, t, h, dv), jnp.float32)
+  assert plan(q, k, v, segment_ids=ids, causal=causal, impl=impl).impl == impl
+
+  def run(fn):
+    def loss(q, k, v):
+      o, mx = fn(q, k, v)
+      return jnp.sum(o.astype(jnp.float32) * w), (o, mx)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+  (_, (o, mx)), grads = run(lambda q, k, v: attention(
+      q, k, v, segment_ids=ids, causal=causal, scale=SCALE, return_max_logit=True, impl=impl))
+  up = lambda x: x.astype(jnp.float32)
+  (_, (want_o, want_mx)), want_grads = run(lambda q, k, v: reference.attention(
+      up(q), up(k), up(v), ids, ids, causal=causal, scale=SCALE))
+  assert o.dtype == dtype
+  np.testing.assert_allclose(np.asarray(mx), np.asarray(want_mx), rtol=1e-5)
+  for label, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (want_o, *want_grads)):
+    err = float(jnp.abs(up(got) - up(want)).max())
+    assert err <= 2e-2 * max(float(jnp.abs(up(want)).max()), 1.0), (label, err)
+  if ids is not None:
+    pad = ids == 0
+    assert float(jnp.abs(up(o)[pad]).max()) == 0.0 and float(jnp.abs(up(grads[0])[pad]).max()) == 0
+
+
+@pytest.mark.parametrize("b,t,h,causal", [
+    (2, 256, 2, True),
+    (1, 200, 2, True),
+    (1, 256, 2, False),
+])
+def test_cudnn(b, t, h, causal):
+  check("cudnn", b, t, h, 192, 128, jnp.bfloat16, None, causal)
+
+
+def test_packed_calls_take_the_written_out_form_by_default():
+  ids = packed_ids(2, 512, 5)
+  q = jax.ShapeDtypeStruct((2, 512, 4, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 512, 4, 128), jnp.bfloat16)
+  p = plan(q, q, v, segment_ids=ids)
+  assert p.impl == "reference" and p.declined[0][0] == "cudnn"
+  assert "segment ids" in p.declined[0][1]
+  assert plan(q, q, v).impl == "cudnn"
+
+
+def test_mosaic_gpu():
+  check("mosaic_gpu", 1, 256, 2, 192, 128, jnp.float16, None, False)
