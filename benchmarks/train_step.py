@@ -1,9 +1,13 @@
 r"""End-to-end training step of a config on one device: tokens/s and MFU.
 
 `python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py --out=$OUT/train.json`
-(`--profile_dir=DIR`: an XLA trace of two more steps, for `benchmarks/trace_summary.py`).
+(`--profile_dir=DIR`: an XLA trace of two more steps, for `benchmarks/trace_summary.py`, and the
+table of where their device time goes by part, `benchmarks/step_parts.py`: printed as Markdown
+and kept in the record as `parts`; on GPUs these steps run a second compilation of the step
+without CUDA graphs, whose kernels name their HLO ops in the trace).
 Random tokens (no data pipeline in the timed region); the step is the real `k3jax.train` step.
 """
+import pathlib
 import time
 
 import jax
@@ -11,7 +15,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks import common
+from benchmarks import common, step_parts
 from k3jax import config as config_lib
 from k3jax import flops, train
 
@@ -27,7 +31,6 @@ def main(argv):
   cfg = config_lib.validate(_CONFIG.value)
   t = cfg.train
   setup, state = train.init(cfg, 0)
-  step = jax.jit(train.make_train_step(setup), donate_argnums=0)
   rng = np.random.default_rng(0)
   b, s = t.global_batch_size, t.seq_len
   def batch():
@@ -36,6 +39,7 @@ def main(argv):
                 positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)),
                 loss_mask=np.ones((b, s), np.float32))
   t0 = time.perf_counter()
+  step = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch()).compile()
   for _ in range(2):
     state, m = step(state, batch())
   jax.block_until_ready(m)
@@ -46,11 +50,20 @@ def main(argv):
     state, m = step(state, bt)
   jax.block_until_ready(m)
   dt = (time.perf_counter() - t0) / _STEPS.value
+  parts = []
   if _PROFILE_DIR.value:
+    if jax.devices()[0].platform == "gpu":  # kernels of CUDA graphs do not name their HLO op
+      step = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch()).compile(
+          compiler_options={"xla_gpu_enable_command_buffer": ""})
+      state, m = step(state, batches[0])
+      jax.block_until_ready(m)
     with jax.profiler.trace(_PROFILE_DIR.value):
       for bt in batches[:2]:
         state, m = step(state, bt)
       jax.block_until_ready(m)
+    (pathlib.Path(_PROFILE_DIR.value) / step_parts.HLO_FILE).write_text(step.as_text())
+    parts = step_parts.table_from_dir(_PROFILE_DIR.value, 2)
+    print(step_parts.markdown(parts))
   tok_s = b * s / dt
   peak, source = flops.peak_flops_per_device()
   counts = flops.count_params(cfg.model)
@@ -64,6 +77,8 @@ def main(argv):
              gate_up_train=cfg.kernels.gate_up_train,
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1),
              device=common.device_name(), date=common.today(), versions=common.versions())
+  if parts:
+    rec["parts"] = parts
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "device"))
   print(rec)

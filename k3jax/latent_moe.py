@@ -155,17 +155,22 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
   if gate_up_train not in GATE_UP_TRAIN:
     raise ValueError(f"gate_up_train must be one of {GATE_UP_TRAIN}, got {gate_up_train!r}")
   top_k = experts.shape[1]
-  order, inverse, group_sizes = sort_by_expert(experts, num_experts)
+  with jax.named_scope("moe_dispatch"):
+    order, inverse, group_sizes = sort_by_expert(experts, num_experts)
   tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
                           interpret=interpret).impl
   if tier == "xla":
-    xs = dispatch(z, order, inverse, top_k)
-    out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
+    with jax.named_scope("moe_dispatch"):
+      xs = dispatch(z, order, inverse, top_k)
+    with jax.named_scope("moe_experts"):
+      out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
   else:
     spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret, gate_up_train)
-    out = ragged_dot(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
-                     group_sizes)
-  return combine(out, weights, order, inverse).astype(z.dtype)
+    with jax.named_scope("moe_experts"):
+      out = ragged_dot(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
+                       group_sizes)
+  with jax.named_scope("moe_combine"):
+    return combine(out, weights, order, inverse).astype(z.dtype)
 
 
 GATE_UP_TRAIN = ("unfused", "kernel")
@@ -447,27 +452,32 @@ class LatentMoE(nnx.Module):
     bsz, seq, dim = x.shape
     xf = x.reshape(bsz * seq, dim)
     bias = self.gate["e_score_correction_bias"][...]
-    weights, experts, scores, cutoffs = route(
-        xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
-        self.norm_topk_prob, return_cutoffs=True)
+    with jax.named_scope("moe_routing"):
+      weights, experts, scores, cutoffs = route(
+          xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
+          self.norm_topk_prob, return_cutoffs=True)
     h = xf.astype(self.dtype)
     if self.use_latent:
-      h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
+      with jax.named_scope("moe_latent"):
+        h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
     u = routed_experts(
         h, weights, experts, self.experts["w1"][...].astype(self.dtype),
         self.experts["w3"][...].astype(self.dtype), self.experts["w2"][...].astype(self.dtype),
         self.beta1, self.beta2, self.ragged_dot, self.gate_up_impl, self.gate_up_train)
     if self.use_latent:
-      u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
-          self.dtype)
+      with jax.named_scope("moe_latent"):
+        u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
+            self.dtype)
     if self.has_shared:
-      u = u + self.shared_experts(xf)
+      with jax.named_scope("moe_shared"):
+        u = u + self.shared_experts(xf)
     y = u.reshape(bsz, seq, dim)
 
     s = jax.lax.stop_gradient(scores)
-    counts, lo, hi = qb.histogram_counts(s, bias, self.top_k, self.qb_num_bins, cutoffs)
-    aux = dict(loads=expert_counts(experts, self.num_experts),
-               qb_counts=counts, qb_lo=lo, qb_hi=hi,
+    with jax.named_scope("moe_stats"):
+      counts, lo, hi = qb.histogram_counts(s, bias, self.top_k, self.qb_num_bins, cutoffs)
+      loads = expert_counts(experts, self.num_experts)
+    aux = dict(loads=loads, qb_counts=counts, qb_lo=lo, qb_hi=hi,
                num_tokens=jnp.asarray(bsz * seq, jnp.int32))
     if self.qb_keep_scores:
       aux["scores"] = s

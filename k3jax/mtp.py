@@ -14,16 +14,16 @@ config's FFN (Stable LatentMoE when it has experts) and the backbone's plain pre
 step (`k3jax.model.residual_layer`, no AttnRes).
 Loss: L = L_main + lambda * CE(logits_i, t_{i+2}) (`model.mtp_loss_weight`, DeepSeek-V3: 0.3).
 """
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 from flax import nnx
 
 import k3jax  # noqa: F401  (turns off eager sharding before parameters are created)
 from k3jax import config as config_lib
+from k3jax import losses
 from k3jax import model as model_lib
 from k3jax import params
 from k3jax.norms import RMSNorm
@@ -56,7 +56,7 @@ class MTP(nnx.Module):
     self.layer = model_lib.DecoderLayer(block_config(model_cfg), 0, rngs=rngs,
                                         kernels=kernels)
     self.norm = RMSNorm(d, eps, rngs=rngs)
-    self.remat = model_cfg.remat == "full"
+    self.remat = model_cfg.remat
 
   def __call__(self, h: jax.Array, next_token_embeddings: jax.Array, segment_ids: jax.Array,
                positions: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
@@ -70,12 +70,13 @@ class MTP(nnx.Module):
     if segment_ids.shape != h.shape[:2] or positions.shape != h.shape[:2]:
       raise ValueError(f"segment_ids and positions must be [B, T] = {h.shape[:2]}, got "
                        f"{segment_ids.shape} and {positions.shape}")
-    e = self.enorm(next_token_embeddings.astype(self.dtype))
-    x = jnp.concatenate([e, self.hnorm(h.astype(self.dtype))], axis=-1)
-    x = x @ self.eh_proj["kernel"][...].astype(self.dtype)
-    fn = nnx.remat(model_lib.residual_layer) if self.remat else model_lib.residual_layer
-    x, aux, _ = fn(self.layer, x, segment_ids, positions)
-    return self.norm(x), aux
+    with jax.named_scope("mtp"):
+      e = self.enorm(next_token_embeddings.astype(self.dtype))
+      x = jnp.concatenate([e, self.hnorm(h.astype(self.dtype))], axis=-1)
+      x = x @ self.eh_proj["kernel"][...].astype(self.dtype)
+      fn = model_lib.remat(model_lib.residual_layer, self.remat)
+      x, aux, _ = fn(self.layer, x, segment_ids, positions)
+      return self.norm(x), aux
 
 
 def shift_targets(targets: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array
@@ -98,10 +99,9 @@ def shift_targets(targets: jax.Array, segment_ids: jax.Array, loss_mask: jax.Arr
   return targets2, mask2
 
 
-def mtp_loss(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-             targets2: jax.Array, mask2: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Mean CE of t_{i+2} over mask2 > 0 (fp32), logits from the shared head. Returns (loss, n)."""
-  logits = logits_fn(hidden).astype(jnp.float32)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets2)
-  n = jnp.maximum(jnp.sum(mask2), 1.0)
-  return jnp.sum(ce * mask2) / n, n
+def mtp_head_loss(hidden: jax.Array, lm_head: jax.Array, targets2: jax.Array, mask2: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Mean CE of t_{i+2} over mask2 > 0 (fp32) through the shared head lm_head [d, V] (in the
+  model's dtype), blockwise without [B, T, V] logits (`k3jax.losses`). Returns (loss, n)."""
+  with jax.named_scope("mtp_loss"):
+    return losses.lm_head_cross_entropy(hidden, lm_head, targets2, mask2)

@@ -322,8 +322,20 @@ def per_head_muon(
                             eps=adam_eps, weight_decay=weight_decay,
                             mask=adam_decay_mask)
   return optax.partition(
-      {"muon": muon_branch, "adamw": adam_branch,
+      {"muon": _scoped("muon", muon_branch), "adamw": _scoped("adamw", adam_branch),
        "frozen": optax.set_to_zero()}, labels)
+
+
+def _scoped(name: str, tx: optax.GradientTransformation
+            ) -> optax.GradientTransformationExtraArgs:
+  """`tx` with its update under `jax.named_scope(name)`: its ops carry the name in traces."""
+  tx = optax.with_extra_args_support(tx)
+
+  def update(updates, state, params=None, **extra_args):
+    with jax.named_scope(name):
+      return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def cosine_schedule(peak_lr: float, total_steps: int, warmup_frac: float = 0.01,

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax import latent_moe, mtp, muon, quantile_balancing, sharding
+from k3jax import latent_moe, losses, mtp, muon, quantile_balancing, sharding
 from k3jax.model import K3ForCausalLM
 
 TrainState = dict[str, Any]
@@ -68,28 +68,23 @@ def init(cfg: ml_collections.ConfigDict, seed: int) -> tuple[Setup, TrainState]:
   return Setup(graphdef, tx, cfg, names), state
 
 
-def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
-                         ) -> tuple[jax.Array, jax.Array]:
-  """Mean next-token cross-entropy over mask > 0 (fp32). Returns (loss, token count)."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-  n = jnp.maximum(jnp.sum(mask), 1.0)
-  return jnp.sum(ce * mask) / n, n
-
-
 def loss_fn(params, buffers, graphdef, batch: dict[str, jax.Array]):
-  """Next-token CE plus `mtp_loss_weight` x the MTP CE on t+2.
+  """Next-token CE plus `mtp_loss_weight` x the MTP CE on t+2, both through the LM head
+  blockwise (`k3jax.losses`: no [B, T, V] logits), each the mean over its mask > 0.
 
   Returns (loss, (aux per layer index with the MTP layer at index L, next-token CE alone)).
   """
   model = nnx.merge(graphdef, params, buffers)
   h, aux, _ = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"])
-  lm_loss, _ = masked_cross_entropy(model.logits(h), batch["targets"], batch["loss_mask"])
+  head = model.lm_head["kernel"][...].astype(model.dtype)
+  with jax.named_scope("lm_loss"):
+    lm_loss, _ = losses.lm_head_cross_entropy(h, head, batch["targets"], batch["loss_mask"])
   loss, cfg = lm_loss, model.cfg
   if cfg.mtp_num_layers:
     h2, mtp_aux = model.mtp(h, model.embed(batch["targets"]), batch["segment_ids"],
                             batch["positions"])
     targets2, mask2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
-    mtp_aux["mtp_loss"], _ = mtp.mtp_loss(model.logits, h2, targets2, mask2)
+    mtp_aux["mtp_loss"], _ = mtp.mtp_head_loss(h2, head, targets2, mask2)
     aux[cfg.num_layers] = mtp_aux
     loss = loss + cfg.mtp_loss_weight * mtp_aux["mtp_loss"]
   return loss, (aux, lm_loss)
@@ -173,17 +168,21 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainSta
   def step(state: TrainState, batch: dict[str, jax.Array]):
     (loss, (aux, lm_loss)), grads = accumulated_grads(
         state["params"], state["buffers"], setup.graphdef, batch, cfg.train.grad_accum_steps)
-    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
+      params = optax.apply_updates(state["params"], updates)
     max_logits = {("mtp.layer" if i == cfg.model.num_layers else f"layers.{i}") + ".self_attn":
                   a["mla_max_logit"] for i, a in aux.items() if "mla_max_logit" in a}
     if clip and max_logits:
-      params = muon.qk_clip(params, max_logits, tau=cfg.train.qk_clip_tau,
-                            qk_nope_head_dim=cfg.model.mla.qk_nope_head_dim,
-                            qk_rope_head_dim=cfg.model.mla.qk_rope_head_dim)
-    buffers = update_moe_biases(state["buffers"], aux, cfg.model)
-    metrics = {"loss": loss, "lm_loss": lm_loss, "grad_norm": optax.global_norm(grads),
-               "learning_rate": schedule(state["step"]), **moe_metrics(aux)}
+      with jax.named_scope("qk_clip"):
+        params = muon.qk_clip(params, max_logits, tau=cfg.train.qk_clip_tau,
+                              qk_nope_head_dim=cfg.model.mla.qk_nope_head_dim,
+                              qk_rope_head_dim=cfg.model.mla.qk_rope_head_dim)
+    with jax.named_scope("bias_update"):
+      buffers = update_moe_biases(state["buffers"], aux, cfg.model)
+    with jax.named_scope("metrics"):
+      metrics = {"loss": loss, "lm_loss": lm_loss, "grad_norm": optax.global_norm(grads),
+                 "learning_rate": schedule(state["step"]), **moe_metrics(aux)}
     if cfg.model.mtp_num_layers:
       metrics["mtp_loss"] = aux[cfg.model.num_layers]["mtp_loss"]
     if max_logits:

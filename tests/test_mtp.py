@@ -52,7 +52,7 @@ def outputs(setup):
     m, lyr = nnx.merge(gdef_m, pm, rest_m), nnx.merge(gdef_l, pl, rest_l)
     (hidden, aux), h = _forward(m, lyr, batch)
     t2, m2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
-    loss, n = mtp.mtp_loss(m.logits, hidden, t2, m2)
+    loss, n = mtp.mtp_head_loss(hidden, m.lm_head["kernel"][...].astype(m.dtype), t2, m2)
     return loss, {"hidden": hidden, "aux": aux, "h": h, "n": n}
 
   (loss, extras), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))(
