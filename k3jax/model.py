@@ -4,7 +4,14 @@ Layer i (0-based) mixes tokens with gated MLA when i+1 is in `full_attn_layers` 
 otherwise; its FFN is a dense SiTU-GLU for i < first_k_dense_replace (or when the config has no
 experts) and a Stable LatentMoE after. With `attn_res_block_size` > 0 the layers are wired by
 Block Attention Residuals; with 0, by an ordinary pre-norm residual stream (Kimi Linear).
+
+With `scan_layers` the repeating unit of layers (`scan_plan`; K3: 3 KDA + 1 gated MLA layers)
+is compiled once: the parameters stay stored per layer (`layers.{i}.*`), the states of the
+scanned layers are stacked at call time and `jax.lax.scan` runs the unit over the stack; the
+irregular layers before and after it run unrolled. Block AttnRes then keeps its completed
+blocks in a fixed buffer [n_blocks, B, T, d] with a count (`attn_res.push_block`).
 """
+import dataclasses
 import functools
 from typing import Any
 
@@ -12,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import attn_res, params
 from k3jax import mtp as mtp_lib
@@ -24,8 +32,92 @@ from k3jax.situ import SiTUGLU
 from pallas_kernels import ragged_dot as grouped_matmul
 
 
+REMAT_POLICIES = {
+    "full": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_mixer_out": jax.checkpoint_policies.save_only_these_names("mixer_out", "ffn_out"),
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=("mixer_out", "ffn_out"),
+        offload_src="device", offload_dst="pinned_host"),
+}
+"""`model.remat` -> jax.checkpoint policy ("none": no rematerialisation). "full" keeps only the
+layer's (or scanned unit's) inputs; "save_dots" also the matmul outputs without batch dims;
+"save_mixer_out" the token mixer's and FFN's outputs (`checkpoint_name` "mixer_out", "ffn_out");
+"offload" moves those two to pinned host memory instead of keeping them on the device."""
+
+
+def remat(fn, name: str, static_argnums: tuple[int, ...] = ()):
+  """`fn` rematerialised as `model.remat` = name says (nnx.remat, so module arguments work)."""
+  if name == "none":
+    return fn
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"remat must be 'none' or one of {sorted(REMAT_POLICIES)}, got {name!r}")
+  return nnx.remat(fn, policy=REMAT_POLICIES[name], static_argnums=static_argnums)
+
+
+@functools.cache
+def _ragged_dot(impl: str | None):
+  """One partial per impl, so that layers of one kind have equal graphdefs (for the scan)."""
+  return functools.partial(grouped_matmul.ragged_dot, impl=impl)
+
+
+def layer_kinds(cfg: ml_collections.ConfigDict) -> tuple[tuple[str, bool], ...]:
+  """(token mixer 'kda' | 'mla', MoE FFN?) of each 0-based layer."""
+  moe = lambda i: bool(cfg.moe.num_experts) and i >= cfg.first_k_dense_replace
+  return tuple((t, moe(i)) for i, t in enumerate(config_lib.layer_types(cfg)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPlan:
+  """Layers start + u * period + j (unit u < units, position j < period) run in one scan."""
+  start: int
+  period: int
+  units: int
+
+  @property
+  def stop(self) -> int:
+    return self.start + self.period * self.units
+
+  def layer(self, unit: int, position: int) -> int:
+    return self.start + unit * self.period + position
+
+  def scanned(self, index: int) -> bool:
+    return self.start <= index < self.stop
+
+
+@functools.cache
+def _best_plan(kinds: tuple[tuple[str, bool], ...]) -> ScanPlan | None:
+  n, best, best_key = len(kinds), None, None
+  for period in range(1, n // 2 + 1):
+    for start in range(n - 2 * period + 1):
+      unit, units = kinds[start:start + period], 1
+      while (start + (units + 1) * period <= n
+             and kinds[start + units * period:start + (units + 1) * period] == unit):
+        units += 1
+      if units < 2:
+        continue
+      key = (n - units * period + period, -units * period, period, -start)
+      if best_key is None or key < best_key:
+        best, best_key = ScanPlan(start, period, units), key
+  return best
+
+
+def scan_plan(cfg: ml_collections.ConfigDict) -> ScanPlan | None:
+  """The unit of layers to scan: fewest layer bodies to compile (unrolled layers + one unit).
+
+  Ties go to more scanned layers, then the shorter unit, then the later start (the first unit
+  boundary after the irregular leading layers). K3: layers 4..91 as 22 units of 3 KDA + 1 MLA,
+  layers 0..3 and 92 unrolled. None when no unit of layers repeats (nothing to scan).
+  """
+  return _best_plan(layer_kinds(cfg))
+
+
 class DecoderLayer(nnx.Module):
-  """One decoder layer; attribute names follow HF `language_model.model.layers.{i}.*`."""
+  """One decoder layer; attribute names follow HF `language_model.model.layers.{i}.*`.
+
+  The layer index is not stored (layers of one kind have one graphdef, for the scan); AttnRes
+  takes it as an argument.
+  """
 
   def __init__(self, cfg: ml_collections.ConfigDict, index: int, *, rngs: nnx.Rngs,
                kernels: ml_collections.ConfigDict | None = None):
@@ -34,9 +126,10 @@ class DecoderLayer(nnx.Module):
     gmm_impl = (kernels.ragged_dot_impl if kernels else "") or None
     gate_up_impl = (kernels.gate_up_impl if kernels else "") or None
     gate_up_train = kernels.gate_up_train if kernels else "kernel"
+    attention_impl = kernels.attention_impl if kernels else ""
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     dt, pdt = config_lib.dtype(cfg.dtype), config_lib.dtype(cfg.param_dtype)
-    self.index, self.kind = index, config_lib.layer_types(cfg)[index]
+    self.kind, self.is_moe = layer_kinds(cfg)[index]
     self.eps = eps
     self.input_layernorm = RMSNorm(d, eps, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(d, eps, rngs=rngs)
@@ -53,8 +146,8 @@ class DecoderLayer(nnx.Module):
                                 kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
                                 qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
                                 use_output_gate=a.use_output_gate, lora_norm_eps=a.lora_norm_eps,
-                                rngs=rngs, dtype=dt, param_dtype=pdt)
-    self.is_moe = bool(cfg.moe.num_experts) and index >= cfg.first_k_dense_replace
+                                rngs=rngs, dtype=dt, param_dtype=pdt,
+                                attention_impl=attention_impl)
     if self.is_moe:
       e = cfg.moe
       self.block_sparse_moe = LatentMoE(
@@ -63,8 +156,7 @@ class DecoderLayer(nnx.Module):
           latent_size=e.latent_size, routed_scaling_factor=e.routed_scaling_factor,
           norm_topk_prob=e.norm_topk_prob, beta1=cfg.situ_beta1, beta2=cfg.situ_beta2,
           rms_norm_eps=eps, qb_num_bins=e.qb_num_bins,
-          qb_keep_scores=e.balancing == "quantile_exact",
-          ragged_dot=functools.partial(grouped_matmul.ragged_dot, impl=gmm_impl),
+          qb_keep_scores=e.balancing == "quantile_exact", ragged_dot=_ragged_dot(gmm_impl),
           gate_up_impl=gate_up_impl, gate_up_train=gate_up_train, rngs=rngs, dtype=dt,
           param_dtype=pdt)
     else:
@@ -79,7 +171,13 @@ class DecoderLayer(nnx.Module):
   def token_mixer(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
                   cache: dict | None = None) -> tuple[jax.Array, dict[str, Any], dict | None]:
     """Norm then KDA or gated MLA. With `cache` (inference), also returns the updated cache."""
-    h = self.input_layernorm(x)
+    with jax.named_scope("norm"):
+      h = self.input_layernorm(x)
+    with jax.named_scope(self.kind):
+      y, aux, new_cache = self._mix_tokens(h, segment_ids, positions, cache)
+    return checkpoint_name(y, "mixer_out"), aux, new_cache
+
+  def _mix_tokens(self, h, segment_ids, positions, cache):
     if self.kind == "kda":
       y, new_cache = self.self_attn(h, segment_ids=None if cache else segment_ids, cache=cache)
       return y, {}, new_cache
@@ -101,11 +199,15 @@ class DecoderLayer(nnx.Module):
     return {"latent": jnp.zeros((batch, max_len, a.kr + a.dr), a.dtype)}
 
   def ffn(self, x: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-    h = self.post_attention_layernorm(x)
+    with jax.named_scope("norm"):
+      h = self.post_attention_layernorm(x)
     if self.is_moe:
-      y, aux = self.block_sparse_moe(h)
-      return y, {"moe": aux}
-    return self.mlp(h), {}
+      with jax.named_scope("moe"):
+        y, aux = self.block_sparse_moe(h)
+      return checkpoint_name(y, "ffn_out"), {"moe": aux}
+    with jax.named_scope("dense_ffn"):
+      y = self.mlp(h)
+    return checkpoint_name(y, "ffn_out"), {}
 
 
 def residual_layer(layer: DecoderLayer, x, segment_ids, positions, cache=None):
@@ -117,18 +219,57 @@ def residual_layer(layer: DecoderLayer, x, segment_ids, positions, cache=None):
 
 
 def attn_res_layer(layer: DecoderLayer, blocks: list, partial, segment_ids, positions,
-                    block_size: int, cache=None):
-  """One layer of Block AttnRes (k3_techniques.md §3, exact K3 wiring)."""
-  h = attn_res.mix(blocks + [partial], layer.self_attention_res_norm,
-                   layer.self_attention_res_proj, layer.eps) if blocks else partial
-  if layer.index % block_size == 0:
+                   new_block: bool, cache=None):
+  """One layer of Block AttnRes (k3_techniques.md §3, exact K3 wiring), blocks as a list.
+
+  new_block: the layer's index is a multiple of the block size (partial becomes a block).
+  """
+  with jax.named_scope("attn_res"):
+    h = attn_res.mix(blocks + [partial], layer.self_attention_res_norm,
+                     layer.self_attention_res_proj, layer.eps) if blocks else partial
+  if new_block:
     blocks = blocks + [partial]
     partial = jnp.zeros_like(partial)
   y, aux_a, cache = layer.token_mixer(h, segment_ids, positions, cache)
   partial = partial + y.astype(partial.dtype)
-  h = attn_res.mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj, layer.eps)
+  with jax.named_scope("attn_res"):
+    h = attn_res.mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj, layer.eps)
   y, aux_f = layer.ffn(h)
   return blocks, partial + y.astype(partial.dtype), {**aux_a, **aux_f}, cache
+
+
+def attn_res_buffered_layer(layer: DecoderLayer, index: jax.Array, state: tuple, segment_ids,
+                            positions, block_size: int, cache=None):
+  """`attn_res_layer` with the blocks in a fixed buffer and a traced layer index.
+
+  state: (blocks [N, B, T, d], count int32 scalar, partial [B, T, d]); returns (state, aux, cache).
+  """
+  blocks, count, partial = state
+  with jax.named_scope("attn_res"):
+    h = attn_res.mix_masked(blocks, count, partial, layer.self_attention_res_norm,
+                            layer.self_attention_res_proj, layer.eps)
+    blocks, count, partial = attn_res.push_block(blocks, count, partial,
+                                                 index % block_size == 0)
+  y, aux_a, cache = layer.token_mixer(h, segment_ids, positions, cache)
+  partial = partial + y.astype(partial.dtype)
+  with jax.named_scope("attn_res"):
+    h = attn_res.mix_masked(blocks, count, partial, layer.mlp_res_norm, layer.mlp_res_proj,
+                            layer.eps)
+  y, aux_f = layer.ffn(h)
+  return (blocks, count, partial + y.astype(partial.dtype)), {**aux_a, **aux_f}, cache
+
+
+def _layer_step(layer: DecoderLayer, index: jax.Array, carry, segment_ids, positions,
+                block_size: int, cache=None):
+  """One layer of the scanned model: carry is x (residual) or the AttnRes buffer state."""
+  if block_size:
+    return attn_res_buffered_layer(layer, index, carry, segment_ids, positions, block_size,
+                                   cache)
+  return residual_layer(layer, carry, segment_ids, positions, cache)
+
+
+def _stack(trees: list) -> Any:
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 class K3ForCausalLM(nnx.Module):
@@ -151,7 +292,8 @@ class K3ForCausalLM(nnx.Module):
     self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs)
     self.lm_head = nnx.Dict(kernel=params.param(
         rngs, params.fan_in_init((0,)), (d, cfg.vocab_size), ("embed", "vocab"), pdt))
-    self.remat = cfg.remat == "full"
+    self.remat = cfg.remat
+    self.plan = scan_plan(cfg) if cfg.scan_layers else None
     if cfg.mtp_num_layers:
       self.mtp = mtp_lib.MTP(cfg, rngs=rngs, kernels=kernels)
 
@@ -177,26 +319,106 @@ class K3ForCausalLM(nnx.Module):
       segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    layer_caches = [None] * len(self.layers) if cache is None else cache["layers"]
-    new_caches = []
     x = self.embed(tokens)
-    aux = {}
-    if self.block_size:
-      fn = nnx.remat(attn_res_layer, static_argnums=(5,)) if self.remat else attn_res_layer
-      blocks, partial = [], x
-      for layer, lc in zip(self.layers, layer_caches):
-        blocks, partial, aux[layer.index], lc = fn(layer, blocks, partial, segment_ids,
-                                                   positions, self.block_size, lc)
-        new_caches.append(lc)
-      x = attn_res.mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj,
-                       self.cfg.rms_norm_eps)
+    if self.plan is None:
+      x, aux, layers, units = self._unrolled(x, segment_ids, positions, cache)
     else:
-      fn = nnx.remat(residual_layer) if self.remat else residual_layer
-      for layer, lc in zip(self.layers, layer_caches):
-        x, aux[layer.index], lc = fn(layer, x, segment_ids, positions, lc)
-        new_caches.append(lc)
-    new_cache = None if cache is None else {"index": cache["index"] + t, "layers": new_caches}
+      x, aux, layers, units = self._scanned(x, segment_ids, positions, cache)
+    new_cache = None if cache is None else {"index": cache["index"] + t, "layers": layers,
+                                            "units": units}
     return self.norm(x), aux, new_cache
+
+  def _unrolled(self, x, segment_ids, positions, cache):
+    """Every layer in a Python loop; Block AttnRes keeps its blocks in a list."""
+    layer_caches = [None] * len(self.layers) if cache is None else cache["layers"]
+    aux, new_caches = {}, []
+    if self.block_size:
+      fn = remat(attn_res_layer, self.remat, static_argnums=(5,))
+      blocks, partial = [], x
+      for i, (layer, lc) in enumerate(zip(self.layers, layer_caches)):
+        blocks, partial, aux[i], lc = fn(layer, blocks, partial, segment_ids, positions,
+                                         i % self.block_size == 0, lc)
+        new_caches.append(lc)
+      with jax.named_scope("attn_res"):
+        x = attn_res.mix(blocks + [partial], self.output_attn_res_norm,
+                         self.output_attn_res_proj, self.cfg.rms_norm_eps)
+    else:
+      fn = remat(residual_layer, self.remat)
+      for i, (layer, lc) in enumerate(zip(self.layers, layer_caches)):
+        x, aux[i], lc = fn(layer, x, segment_ids, positions, lc)
+        new_caches.append(lc)
+    return x, aux, new_caches, []
+
+  def _scanned(self, x, segment_ids, positions, cache):
+    """The irregular layers unrolled around one `lax.scan` over the units of `self.plan`."""
+    plan, bs, n_layers = self.plan, self.block_size, len(self.layers)
+    outside = [i for i in range(n_layers) if not plan.scanned(i)]
+    layer_caches = dict(zip(outside, cache["layers"])) if cache is not None else {}
+    if bs:
+      n_blocks = (n_layers - 1) // bs + 1
+      carry = (jnp.zeros((n_blocks,) + x.shape, x.dtype), jnp.zeros((), jnp.int32), x)
+    else:
+      carry = x
+    step = remat(_layer_step, self.remat, static_argnums=(5,))
+    aux, new_caches = {}, []
+
+    def run(indices, carry):
+      for i in indices:
+        carry, aux[i], lc = step(self.layers[i], jnp.int32(i), carry, segment_ids, positions,
+                                 bs, layer_caches.get(i))
+        new_caches.append(lc)
+      return carry
+
+    carry = run(range(plan.start), carry)
+    carry, unit_aux, units = self._scan_units(carry, segment_ids, positions,
+                                              None if cache is None else cache["units"])
+    aux.update(unit_aux)
+    carry = run(range(plan.stop, n_layers), carry)
+    if bs:
+      with jax.named_scope("attn_res"):
+        x = attn_res.mix_masked(*carry, self.output_attn_res_norm, self.output_attn_res_proj,
+                                self.cfg.rms_norm_eps)
+    else:
+      x = carry
+    return x, dict(sorted(aux.items())), new_caches, units
+
+  def _unit_states(self) -> tuple[list, list]:
+    """(graphdef, state stacked over units [U, ...]) of each position j of the unit."""
+    plan, graphdefs, states = self.plan, [], []
+    for j in range(plan.period):
+      splits = [nnx.split(self.layers[plan.layer(u, j)]) for u in range(plan.units)]
+      for u, (graphdef, _) in enumerate(splits):
+        if graphdef != splits[0][0]:
+          raise ValueError(f"layers {plan.layer(0, j)} and {plan.layer(u, j)} share a position "
+                           "in the scanned unit but differ in structure")
+      graphdefs.append(splits[0][0])
+      states.append(_stack([state for _, state in splits]))
+    return graphdefs, states
+
+  def _scan_units(self, carry, segment_ids, positions, caches: list | None):
+    """`lax.scan` of the unit body over the stacked layer states (and caches), rematerialised
+    as `model.remat` says. Returns (carry, aux per layer index, caches stacked per position)."""
+    plan, bs = self.plan, self.block_size
+    graphdefs, states = self._unit_states()
+
+    def unit(carry, xs):
+      states, first, caches = xs
+      auxs, new_caches = [], []
+      for j, (graphdef, state) in enumerate(zip(graphdefs, states)):
+        carry, aux, cache = _layer_step(nnx.merge(graphdef, state), first + j, carry,
+                                        segment_ids, positions, bs,
+                                        None if caches is None else caches[j])
+        auxs.append(aux)
+        new_caches.append(cache)
+      return carry, (auxs, new_caches)
+
+    if self.remat != "none":
+      unit = jax.checkpoint(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    first = plan.start + plan.period * jnp.arange(plan.units, dtype=jnp.int32)
+    carry, (auxs, new_caches) = jax.lax.scan(unit, carry, (states, first, caches))
+    aux = {plan.layer(u, j): jax.tree.map(lambda a, u=u: a[u], auxs[j])
+           for u in range(plan.units) for j in range(plan.period)}
+    return carry, aux, new_caches
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
@@ -205,9 +427,19 @@ class K3ForCausalLM(nnx.Module):
     return self.logits(h), aux
 
   def init_cache(self, batch: int, max_len: int) -> dict:
-    """The dual cache (report §5.4): KDA states and conv tails, MLA latents of 576 a token."""
+    """The dual cache (report §5.4): KDA states and conv tails, MLA latents of 576 a token.
+
+    "layers": the caches of the layers outside the scan (all layers when nothing is scanned),
+    in layer order; "units": per position j of the scanned unit, its caches stacked over units.
+    """
+    caches = [layer.init_cache(batch, max_len) for layer in self.layers]
+    plan = self.plan
+    if plan is None:
+      return {"index": jnp.zeros((), jnp.int32), "layers": caches, "units": []}
     return {"index": jnp.zeros((), jnp.int32),
-            "layers": [layer.init_cache(batch, max_len) for layer in self.layers]}
+            "layers": [c for i, c in enumerate(caches) if not plan.scanned(i)],
+            "units": [_stack([caches[plan.layer(u, j)] for u in range(plan.units)])
+                      for j in range(plan.period)]}
 
   def extend(self, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """Prefill or decode: logits [B, T, V] of `tokens` continuing `cache`, and the new cache."""

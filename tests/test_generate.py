@@ -104,6 +104,23 @@ def test_greedy_equals_full_forward_loop(tiny, greedy):
   np.testing.assert_array_equal(greedy, seq)
 
 
+def test_scanned_layers_generate_what_unrolled_ones_do():
+  """Layers 2-5 as a scanned unit (KDA, MLA) x 2: the stacked caches decode as the per-layer
+  caches of the unrolled model do (same parameters)."""
+  prompt = np.random.default_rng(1).integers(0, 256, (2, 3)).astype(np.int32)
+  outs = []
+  for scan in (True, False):
+    cfg = config.load(_TINY, {**_SMALL, "model.num_layers": 6, "model.full_attn_layers": (2, 4, 6),
+                              "model.scan_layers": scan})
+    model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0))
+    assert (model.plan is not None) == scan
+    if scan:
+      cache = model.init_cache(2, 3 + _NEW)
+      assert len(cache["layers"]) == 2 and cache["units"][1]["latent"].shape[:2] == (2, 2)
+    outs.append(generate.generate(model, prompt, max_new_tokens=_NEW))
+  np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_top_p_tiny_is_greedy(tiny, greedy):
   model, prompt = tiny
   out = generate.generate(model, prompt, max_new_tokens=_NEW, temperature=1.0, top_p=1e-6,

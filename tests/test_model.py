@@ -12,7 +12,9 @@ TINY = "experiments/configs/k3_tiny.py"
 
 
 def _tiny(**overrides):
-  base = {"model.num_layers": 4, "model.full_attn_layers": (2, 4), "model.attn_res_block_size": 2}
+  """6 layers (KDA-dense, MLA, then 2 units of KDA + MLA scanned), AttnRes blocks of 2."""
+  base = {"model.num_layers": 6, "model.full_attn_layers": (2, 4, 6),
+          "model.attn_res_block_size": 2}
   base.update(overrides)
   return config.load(TINY, base)
 
@@ -114,13 +116,13 @@ def test_block_attn_res_wiring_matches_eq10(tiny_model):
   s = model.block_size
   emb = model.embed(tokens)
   outputs = []  # f_j of every sublayer, in order, tagged with its block
-  for layer in model.layers:
-    n = layer.index // s
+  for index, layer in enumerate(model.layers):
+    n = index // s
     done = [emb] + [sum(o for b, o in outputs if b == m) for m in range(n)]
-    if layer.index == 0:
+    if index == 0:
       h = emb
     else:
-      prev_n = (layer.index - 1) // s
+      prev_n = (index - 1) // s
       prev_done = [emb] + [sum(o for b, o in outputs if b == m) for m in range(prev_n)]
       prev_partial = sum(o for b, o in outputs if b == prev_n)
       h = attn_res.mix(prev_done + [prev_partial], layer.self_attention_res_norm,
@@ -131,7 +133,7 @@ def test_block_attn_res_wiring_matches_eq10(tiny_model):
     h = attn_res.mix(done + [partial], layer.mlp_res_norm, layer.mlp_res_proj, layer.eps)
     y, _ = layer.ffn(h)
     outputs.append((n, y))
-  last = model.layers[-1].index // s
+  last = (len(model.layers) - 1) // s
   done = [emb] + [sum(o for b, o in outputs if b == m) for m in range(last)]
   final = attn_res.mix(done + [sum(o for b, o in outputs if b == last)],
                        model.output_attn_res_norm, model.output_attn_res_proj, 1e-5)
@@ -159,16 +161,19 @@ def test_prefill_then_decode_equals_full_forward(block):
   toks = jax.random.randint(jax.random.key(4), (2, 20), 0, 258)
   full, _ = model(toks)
   cache = model.init_cache(2, 24)
+  extend = nnx.jit(lambda m, tokens, cache: m.extend(tokens, cache))  # one compile per T
   outs = []
-  logits, cache = model.extend(toks[:, :11], cache)
+  logits, cache = extend(model, toks[:, :11], cache)
   outs.append(logits)
   for t in range(11, 20):
-    logits, cache = model.extend(toks[:, t:t + 1], cache)
+    logits, cache = extend(model, toks[:, t:t + 1], cache)
     outs.append(logits)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
   assert int(cache["index"]) == 20
   mla = [c for c in cache["layers"] if "latent" in c]
   assert mla[0]["latent"].shape == (2, 24, 16 + 8)
+  # The scanned unit (KDA, MLA) x 2 (layers 2..5): MLA latents stacked over the units.
+  assert cache["units"][1]["latent"].shape == (2, 2, 24, 16 + 8)
 
 
 def test_parameter_paths_follow_hf_names(tiny_model):
