@@ -24,8 +24,6 @@ from k3jax import checkpoint
 from k3jax import config as config_lib
 from k3jax.model import K3ForCausalLM
 
-_REASON_CHARS = 400
-
 
 def _check_sampling(temperature: float, top_p: float) -> None:
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
@@ -167,30 +165,33 @@ def load_model(workdir: str, step: int | None = None
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints in {workdir!r}: {directory} does not exist")
-  manager = ocp.CheckpointManager(
-      directory, item_names=("state",),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler()},
-      options=ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False))
+  with checkpoint.quiet_libraries():  # orbax warns that a read-only directory is read only
+    manager = ocp.CheckpointManager(
+        directory, item_names=("state",),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0,
+                                             create=False))
   try:
     steps = sorted(manager.all_steps(), reverse=True)
     if not steps:
       raise FileNotFoundError(f"no checkpoints in {directory} (no finished step directory)")
     if step is not None:
       if step not in steps:
-        raise ValueError(f"step {step} has no checkpoint in {directory}; available steps: "
-                         f"{sorted(steps)}")
+        raise checkpoint.CheckpointError(f"step {step} has no checkpoint in {directory}; "
+                                         f"available steps: {sorted(steps)}")
       steps = [step]
     graphdef, params, buffers = _abstract_model(cfg)
     target = {"params": params, "buffers": buffers}
     failures = []
     for s in steps:
       try:
-        restored = manager.restore(s, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True)))
+        with checkpoint.quiet_libraries():
+          restored = manager.restore(s, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+              item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+              partial_restore=True)))
       except Exception as e:  # pylint: disable=broad-exception-caught
         # orbax, tensorstore and json report a damaged step with many exception types.
-        reason = f"{type(e).__name__}: {e}"[:_REASON_CHARS]
+        reason = checkpoint.failure_reason(e)
         logging.warning("checkpoint step %d in %s cannot be restored (%s)", s, directory, reason)
         failures.append((s, reason))
         continue

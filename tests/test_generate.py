@@ -241,7 +241,8 @@ def test_load_model_errors(workdir, tmp_path):
   os.makedirs(tmp_path / "checkpoints")
   with pytest.raises(FileNotFoundError, match="no checkpoints"):
     generate.load_model(str(tmp_path))
-  with pytest.raises(ValueError, match=r"step 7 has no checkpoint.*available steps: \[1, 2\]"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"step 7 has no checkpoint.*available steps: \[1, 2\]"):
     generate.load_model(workdir, step=7)
 
 
@@ -255,3 +256,4 @@ def test_launch_generate_prints_a_continuation(workdir):
   assert lines[0] == f"[k3_tiny, step 2, {workdir}]"
   assert lines[1] == "prompt: count by 2"
   assert lines[2].startswith("continuation: ")
+  assert "read only" not in result.stderr and "Traceback" not in result.stderr
