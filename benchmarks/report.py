@@ -104,6 +104,11 @@ def _shape(s: dict) -> str:
   return " ".join(f"{k}{v}" for k, v in s.items())
 
 
+def _shapes(recs: list[dict]) -> list[str]:
+  """The records' shapes, each once, in order of first appearance."""
+  return list(dict.fromkeys(_shape(r["shape"]) for r in recs))
+
+
 def _num(x: float | None, digits: int = 0) -> str:
   return "" if x is None else f"{x:.{digits}f}"
 
@@ -158,10 +163,7 @@ def moe_gemm(root: pathlib.Path) -> str:
   res = Results(root, "moe_h200.json")
   recs = [r for op in ("moe_gmm", "moe_gmm_d_lhs", "moe_gmm_d_rhs", "dense_matmul_same_flops")
           for r in res.current(op) if r["shape"].get("G") is not None]
-  shapes = []
-  for r in recs:
-    if _shape(r["shape"]) not in shapes:
-      shapes.append(_shape(r["shape"]))
+  shapes = _shapes(recs)
   product = {"moe_gmm_d_lhs": "d_lhs", "moe_gmm_d_rhs": "d_rhs"}
   row_of = lambda r: f"{r['implementation']} {product.get(r['op'], r['pass'])}"
   rows = [("k3jax_mosaic_gpu fwd", "k3jax `mosaic_gpu`, fwd (default on Hopper)"),
@@ -238,10 +240,7 @@ def moe_layer(root: pathlib.Path) -> str:
 def moe_gate_up(root: pathlib.Path) -> str:
   res = Results(root, "moe_h200.json")
   recs = res.current("moe_gate_up")
-  cols = []
-  for r in recs:
-    if _shape(r["shape"]) not in cols:
-      cols.append(_shape(r["shape"]))
+  cols = _shapes(recs)
   rows = [("triton", "fused kernel (default on Hopper)"),
           ("triton+gate_up", "fused, also writing gate/up (removed)"),
           ("unfused", "unfused: XLA gather + `mosaic_gpu` grouped matmul + SiTU"),
@@ -255,10 +254,7 @@ def moe_gate_up(root: pathlib.Path) -> str:
 def top_k(root: pathlib.Path) -> str:
   res = Results(root, "moe_h200.json")
   recs = res.current("top_k")
-  shapes = []
-  for r in recs:
-    if _shape(r["shape"]) not in shapes:
-      shapes.append(_shape(r["shape"]))
+  shapes = _shapes(recs)
   cols = [("lax", "`jax.lax.top_k`"), ("triton", "`pallas_kernels.top_k` (default on GPUs)"),
           ("ranks", "compare-and-count ranks (removed)")]
   table = _grid(recs, lambda r: _shape(r["shape"]), lambda r: r["implementation"],
