@@ -67,7 +67,7 @@ def full_sweep(product: str) -> list:
 
 def quick_sweep(product: str) -> list:
   """A short list around the heuristic table's choice: for gmm with and without tile_pipeline
-  (and 4 stages beside 64-row epilogue slices), for tgmm the session 17 table
+  (and 4 stages beside 64-row epilogue slices), for tgmm the table of bdbbe83
   (one pipeline per tile), group_rows + tile_pipeline, with boundary_blocks (the table) and
   with balance too."""
   if product == "d_rhs":

@@ -16,7 +16,7 @@ shapes:
   buffer before it is rewritten dropped (timing only: results may be wrong; last in the list,
   as a store still reading SMEM when the kernel ends is undefined behaviour);
 - "per_tile_pipelines": without tile_pipeline (one pipeline per tile, the table before
-  session 19);
+  152bb8e);
 - "order_0_8": tiles ordered M-minor, 8 wide, instead of the table's N-minor 4 wide;
 - "lhs_rows_8", "rhs_rows_8": each step loads only the first 8 rows of its lhs block
   (1 of 16 KiB) or of its rhs block (4 of 32 KiB) (WRONG results; timing only): if the main

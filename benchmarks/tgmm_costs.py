@@ -17,7 +17,7 @@ pipeline fill. Each variant adds or removes one of these, in one process on the 
 - "no_group_rows": row blocks start at multiples of block_k (a first block with up to 63
   rows of the previous group; half a block more per group and tile);
 - "no_tile_pipeline": one pipeline per output tile (a pipeline fill per tile; masks);
-- "neither": without group_rows and tile_pipeline (the table config before session 18);
+- "neither": without group_rows and tile_pipeline (the table config before 6454e31);
 - "balance": the table config with `TgmmConfig.balance` (groups in order of falling steps,
   tiles dealt serpentine instead of round robin; with Dirichlet sizes, by the tile counts
   over five seeds, the most loaded CTA holds 3.6% / 5.8% more than the mean at G32 / G8

@@ -5,7 +5,7 @@ JAX's dispatch of a call). Rows: "lax" = `jax.lax.top_k` (the xla tier, a sort o
 "triton" = our Pallas kernel (`pallas_kernels/top_k/triton.py`); "ranks" = the same result
 from ranks (rank_i = #{j : x_j > x_i, or x_j == x_i and j < i}, a compare-and-count over
 [N, E, E], then a compare-and-sum over [N, k, E] picks rank r), which XLA runs as one slow
-reduction (session 14: 532 against 48 us at 16384 x 64), kept as the measured reason it is not
+reduction (2026-12-01: 532 against 48 us at 16384 x 64), kept as the measured reason it is not
 used.
 `python3 -m benchmarks.top_k --out=$OUT/top_k.json`; `--sweep` times the triton tier's row block
 and warp count instead (the source of `triton.default_block_rows` / `default_num_warps`).

@@ -46,7 +46,7 @@ and dx = (dy - y (y . dy)) / |x| is written over them, so no XLA pass touches q,
 gradients.
 Code size matters: with the slab loop and the norm passes unrolled in Python the kernel
 overflowed the instruction cache (fwd+bwd at H=32 3.54 ms); as loops, 2.58 ms.
-Passed its tests compiled on the H200 (2026-11-30, session 12: the end-to-end kernel_intra
+Passed its tests compiled on the H200 (2026-11-30: the end-to-end kernel_intra
 tests and the first six of this file's; the rest ran in the interpreter). Fwd+bwd of the whole
 op at B=1, T=8192 (`jax.vjp`): 2.61 ms at H=32, 7.48 ms at H=96.
 """

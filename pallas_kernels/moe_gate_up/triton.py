@@ -34,7 +34,7 @@ class Config:
 
   Default: the best of a sweep on the H200 at k3_small's shape (M 131072, K 512, F 512, G 64):
   0.378 ms with SiTU's tanh.approx, against 0.562 ms for the dispatch gather + our Mosaic GPU
-  grouped matmul + XLA's SiTU (scratch sweep of session 15; `benchmarks/moe_gate_up.py`)."""
+  grouped matmul + XLA's SiTU (a scratch sweep of 2026-12-01; `benchmarks/moe_gate_up.py`)."""
   block_m: int = 128
   block_n: int = 64
   block_k: int = 64
