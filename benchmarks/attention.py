@@ -17,7 +17,7 @@ from benchmarks import common
 from pallas_kernels import attention as attention_op
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records (JSON list).")
-_SMOKE = flags.DEFINE_bool("smoke", False, "Toy shapes, one call each (CI).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "Toy shapes, one call each (CI; give --out).")
 _SHAPES = flags.DEFINE_list("shapes", [], "BxTxH shapes (default: SHAPES).")
 _IMPLS = flags.DEFINE_list("impls", [], "Rows to run (default: every tier, and cudnn_own on GPU).")
 SHAPES = ((2, 8192, 8), (1, 8192, 32), (1, 8192, 96))
@@ -85,10 +85,7 @@ def main(argv):
                             dtype="bfloat16", median_ms=round(ms, 4),
                             device=common.device_name(), date=common.today(),
                             **{"pass": kind}))
-  if not smoke:
-    common.merge_records(_OUT.value, records, ("op", "implementation", "shape", "pass",
-                                               "device"))
-  return records
+  common.merge_records(_OUT.value, records, ("op", "implementation", "shape", "pass", "device"))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """Smoke test of benchmarks/attention.py at toy size on CPU: the CPU tiers run forward and
 forward+backward, the GPU/TPU tiers are reported as declined."""
-from absl import flags
-
-from benchmarks import attention as bench
+from test_benchmarks import records, run_module
 
 
-def test_attention_benchmark_smoke():
-  flags.FLAGS(["attention", "--smoke"])
-  records = bench.main([])
-  got = {(r["implementation"], r["pass"]) for r in records}
+def test_attention_benchmark_smoke(tmp_path):
+  out = tmp_path / "attention.json"
+  run_module("benchmarks.attention", "--smoke", f"--out={out}")
+  recs = records(out)
+  got = {(r["implementation"], r["pass"]) for r in recs}
   assert got == {(name, kind) for name in ("reference", "xla_blockwise")
                  for kind in ("fwd", "fwd_bwd")}
-  assert all(r["median_ms"] > 0 and r["shape"]["T"] == 64 for r in records)
+  assert all(r["median_ms"] > 0 and r["shape"]["T"] == 64 for r in recs)

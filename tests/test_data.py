@@ -1,5 +1,4 @@
 """Tests for k3jax.data and tools/make_token_file.py."""
-import importlib.util
 import json
 import os
 import re
@@ -12,12 +11,9 @@ import numpy as np
 import pytest
 
 from k3jax import data
+from tools import make_token_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "make_token_file", os.path.join(ROOT, "tools", "make_token_file.py"))
-make_token_file = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_token_file)
 
 
 def _cfg(source="default", paths=(), num_docs=200, num_workers=0):
