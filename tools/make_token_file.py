@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator, Sequence
 import json
 import os
 
-from absl import app
 from absl import flags
 from absl import logging
 from array_record.python import array_record_module
