@@ -4,9 +4,15 @@ r"""End-to-end training step of a config on one device: tokens/s and MFU.
 (`--profile_dir=DIR`: an XLA trace of two more steps, for `benchmarks/trace_summary.py`, and the
 table of where their device time goes by part, `benchmarks/step_parts.py`: printed as Markdown
 and kept in the record as `parts`; on GPUs these steps run a second compilation of the step
-without CUDA graphs, whose kernels name their HLO ops in the trace).
+without CUDA graphs, whose kernels name their HLO ops in the trace). The compile is timed by
+phase (trace, lower, XLA compile, two warm-up steps that also build the Pallas kernels);
+`--compile_trace_dir=DIR` runs it under the profiler and tables the longest host events.
 Random tokens (no data pipeline in the timed region); the step is the real `k3jax.train` step.
 """
+import collections
+import contextlib
+import gzip
+import json
 import pathlib
 import time
 
@@ -24,6 +30,31 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records
 _STEPS = flags.DEFINE_integer("steps", 8, "Timed steps (after 2 warm-up steps).")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "If set, an XLA profiler trace of two "
                                    "more steps (after the timed ones) is written here.")
+_COMPILE_TRACE_DIR = flags.DEFINE_string(
+    "compile_trace_dir", "", "If set, the compile and warm-up run under the profiler and the "
+    "host events that took longest (XLA passes, autotuning, kernel builds) are tabled.")
+
+
+def _compile_trace_options() -> jax.profiler.ProfileOptions:
+  """The compiler's own events (XLA passes, autotuning, codegen), not every Python call."""
+  opts = jax.profiler.ProfileOptions()
+  opts.python_tracer_level = 0
+  opts.host_tracer_level = 3
+  return opts
+
+
+def compile_events(trace_dir: str, top: int = 25) -> list[tuple[str, int, float]]:
+  """(host event name, calls, exclusive seconds) of a compile trace, largest first: where the
+  compile's time went (trace, lowering, XLA passes, autotuning, kernel builds)."""
+  with gzip.open(common.find_trace(trace_dir)) as f:
+    trace = json.load(f)
+  spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+  totals = collections.defaultdict(lambda: [0, 0.0])
+  for e, excl in step_parts._exclusive_times(spans):
+    totals[e["name"]][0] += 1
+    totals[e["name"]][1] += excl / 1e6
+  rows = sorted(((n, c, round(s, 2)) for n, (c, s) in totals.items()), key=lambda r: -r[2])
+  return rows[:top]
 
 
 def main(argv):
@@ -38,12 +69,27 @@ def main(argv):
     return dict(inputs=toks[:, :-1], targets=toks[:, 1:], segment_ids=np.ones((b, s), np.int32),
                 positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)),
                 loss_mask=np.ones((b, s), np.float32))
-  t0 = time.perf_counter()
-  step = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch()).compile()
-  for _ in range(2):
-    state, m = step(state, batch())
-  jax.block_until_ready(m)
-  compile_s = time.perf_counter() - t0
+  with (jax.profiler.trace(_COMPILE_TRACE_DIR.value, profiler_options=_compile_trace_options())
+        if _COMPILE_TRACE_DIR.value else contextlib.nullcontext()):
+    phases, t0 = {}, time.perf_counter()
+    traced = jax.jit(train.make_train_step(setup), donate_argnums=0).trace(state, batch())
+    phases["trace_s"], t = time.perf_counter() - t0, time.perf_counter()
+    lowered = traced.lower()
+    phases["lower_s"], t = time.perf_counter() - t, time.perf_counter()
+    step = lowered.compile()
+    phases["xla_compile_s"], t = time.perf_counter() - t, time.perf_counter()
+    for _ in range(2):
+      state, m = step(state, batch())
+    jax.block_until_ready(m)
+    phases["warmup_s"] = time.perf_counter() - t
+    compile_s = time.perf_counter() - t0
+  phases = {k: round(v, 1) for k, v in phases.items()}
+  print("compile phases (s):", phases)
+  compile_parts = []
+  if _COMPILE_TRACE_DIR.value:
+    compile_parts = compile_events(_COMPILE_TRACE_DIR.value)
+    for name, calls, sec in compile_parts:
+      print(f"{sec:9.2f} s {calls:6d}x  {name}")
   batches = [batch() for _ in range(_STEPS.value)]
   t0 = time.perf_counter()
   for bt in batches:
@@ -75,10 +121,12 @@ def main(argv):
              ragged_dot_impl=cfg.kernels.ragged_dot_impl or "auto",
              gate_up_impl=cfg.kernels.gate_up_impl or "auto",
              gate_up_train=cfg.kernels.gate_up_train,
-             loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1),
+             loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
              device=common.device_name(), date=common.today(), versions=common.versions())
   if parts:
     rec["parts"] = parts
+  if compile_parts:
+    rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "device"))
   print(rec)

@@ -20,6 +20,7 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "save_dots", "save_mixer_out", "offload"),
     "train.optimizer": ("adamw", "muon", "muon_whole"),
+    "train.muon_ns_dtype": ("bfloat16", "float32"),
     "data.source": ("default", "memmap", "array_record"),
     "kernels.kda_impl": ("", "reference", "chunked", "mosaic_gpu", "mosaic_tpu"),
     "kernels.ragged_dot_impl": ("", "xla", "mosaic_gpu", "mosaic_tpu"),

@@ -75,6 +75,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   t.grad_accum_steps = 1  # micro-batches per optimizer step (global_batch_size is split)
   t.seq_len = 1024
   t.optimizer = "muon"  # muon (per-head, report §2.5) | muon_whole | adamw
+  t.muon_ns_dtype = "bfloat16"  # Newton-Schulz iterations in bfloat16 (Muon's own) or float32
   t.learning_rate = 3e-4
   t.warmup_frac = 0.01
   t.final_lr_frac = 0.1

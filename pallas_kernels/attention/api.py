@@ -5,7 +5,9 @@ keys j <= i, top-left aligned) and packed documents: key j is visible to query i
 segment ids are equal and nonzero (0 is padding: it neither attends nor is attended). A query
 with no visible key gets o = 0. o comes in q's dtype; with `return_max_logit` also each head's
 max visible logit scale * q.k over the batch [H] fp32 (-inf for a head with none), exact (not
-estimated) and not differentiated.
+estimated) and not differentiated. `q_offset` puts query i at causal position q_offset + i (a
+context-parallel rank's queries against the gathered keys, report §5.2); the reference and
+xla_blockwise tiers take it, the kernel tiers decline it.
 
 Tiers ("impl"): "reference" (the written-out [B, H, T, S] form: the oracle), "xla_blockwise"
 (flash attention in plain JAX: any platform), "cudnn" (cuDNN's fused attention, sm_90+),
@@ -33,13 +35,11 @@ KERNELS: dict[str, types.ModuleType] = {
     "xla_blockwise": xla_blockwise, "cudnn": cudnn, "mosaic_gpu": mosaic_gpu, "splash": splash}
 Plan = tiers.Plan
 
-# A kernel tier joins impl=None on a platform only after its tests pass there. On the H200
-# (2026-12-02) cudnn passed them without segment ids (it declines calls with them) and failed
-# with them; packed calls then take the written-out form, whose forward+backward at k3_small
-# (B 2, T 8192, H 8) took 19.7 ms against xla_blockwise's 31.4 ms (it materialises fp32
-# [B, H, T, S] scores: kernels.attention_impl="xla_blockwise" where that does not fit).
+# A kernel tier joins impl=None on a platform only after its tests pass there: cudnn on the
+# H200 (tests/pallas_kernels/test_attention_gpu.py, packed documents as a boolean mask). A call
+# it declines (a query offset, fp32) takes xla_blockwise, which never holds [B, H, T, S] scores.
 # splash has run only in the TPU interpreter; mosaic_gpu takes no causal bf16 call.
-_DEFAULTS: dict[str, tuple[str, ...]] = {"gpu": ("cudnn", "reference"),
+_DEFAULTS: dict[str, tuple[str, ...]] = {"gpu": ("cudnn", "xla_blockwise"),
                                          "tpu": ("xla_blockwise",)}
 
 
@@ -97,13 +97,15 @@ def _validate(q, k, v, segment_ids, scale):
 
 
 def plan(q, k, v, *, segment_ids=None, causal: bool = True, impl: str | None = None,
-         interpret: bool = False) -> Plan:
+         interpret: bool = False, q_offset=None) -> Plan:
   """The tier `attention` would use (arguments may be ShapeDtypeStructs)."""
   _, _, kind = _validate(q, k, v, segment_ids, None)
 
   def reason_of(name: str) -> str | None:
     if name == "reference":
       return None
+    if q_offset is not None and name != "xla_blockwise":
+      return "q_offset: only the reference and xla_blockwise tiers take a query offset"
     return KERNELS[name].supports(q, k, v, segments=kind, causal=bool(causal),
                                   interpret=interpret)
 
@@ -113,7 +115,7 @@ def plan(q, k, v, *, segment_ids=None, causal: bool = True, impl: str | None = N
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
               segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
               causal: bool = True, scale: float | None = None, return_max_logit: bool = False,
-              impl: str | None = None, interpret: bool = False
+              impl: str | None = None, interpret: bool = False, q_offset=None
               ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Masked softmax attention; see the module docstring.
 
@@ -127,21 +129,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     impl: None (platform default) or one of IMPLS; a named kernel that declines falls
       through to xla_blockwise.
     interpret: run kernel tiers that have one in their interpreter (CPU tests of splash).
+    q_offset: None, or an int / int32 scalar (may be traced): the causal position of query 0.
 
   Returns:
     o [B, T, H, Dv] in q's dtype, and the max logit [H] when asked.
   """
   q_ids, kv_ids, _ = _validate(q, k, v, segment_ids, scale)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-  p = plan(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl, interpret=interpret)
+  p = plan(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl, interpret=interpret,
+           q_offset=q_offset)
+  offset = 0 if q_offset is None else q_offset
   for name, reason in p.declined:
     logging.info("attention: tier %s declined (%s); trying the next", name, reason)
   causal = bool(causal)
   if p.impl == "reference":
-    o, max_logit = reference.attention(q, k, v, q_ids, kv_ids, causal=causal, scale=scale)
+    o, max_logit = reference.attention(q, k, v, q_ids, kv_ids, causal=causal, scale=scale,
+                                       q_offset=offset)
     o = o.astype(q.dtype)
   elif p.impl == "xla_blockwise":
-    o, max_logit = xla_blockwise.attention(q, k, v, q_ids, kv_ids, causal=causal, scale=scale)
+    o, max_logit = xla_blockwise.attention(q, k, v, q_ids, kv_ids, causal=causal, scale=scale,
+                                           q_offset=offset)
   else:
     o = KERNELS[p.impl].attention(q, k, v, q_ids, kv_ids, causal=causal, scale=scale,
                                   interpret=interpret)

@@ -4,10 +4,15 @@
 this tier calls the function underneath it in jax 0.11.2,
 `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`, which takes Dk != Dv natively
 ("MLA" in its checks: cuDNN >= 9.10 on Hopper); with an older cuDNN v is zero-padded to Dk and
-the output sliced. Calls with segment ids are declined: cuDNN's packed layout (ragged q/kv
-seqlens and offsets from the segment ids) gave wrong outputs, NaN losses and an illegal
-instruction on the H200 on 2026-12-02, while calls without segment ids passed
-tests/pallas_kernels/test_attention_gpu.py there.
+the output sliced.
+
+Packed documents go in as a boolean mask [B, 1, T, S] (equal nonzero segment ids) beside the
+causal mask type: JAX turns a boolean mask into a constant additive bias, so the backward
+computes no bias gradient; the mask costs B T S bytes (128 MiB at B 2, T 8192), not the
+[B, H, T, S] fp32 scores of the written-out form. Queries with no visible key (padding, id 0)
+get o = 0 (cuDNN would average over the masked keys). cuDNN's packed layout (ragged q/kv
+seqlens and offsets from the segment ids) is not used: it gave wrong outputs, NaN losses and an
+illegal instruction on the H200 on 2026-12-02.
 """
 import jax
 import jax.numpy as jnp
@@ -42,10 +47,6 @@ def supports(q, k, v, *, segments: str, causal: bool, interpret: bool = False) -
     return f"v head dim {dv} must be a multiple of 8 and <= the q/k head dim {dk}"
   if causal and q.shape[1] != k.shape[1]:
     return f"causal with T = {q.shape[1]} != S = {k.shape[1]} (only T == S is mapped)"
-  if segments != "none":
-    return ("segment ids: the packed layout (ragged q/kv offsets) gave wrong outputs, NaN losses "
-            "and an illegal instruction on the H200 on 2026-12-02 (tests/pallas_kernels/"
-            "test_attention_gpu.py); only calls without segment ids passed there")
   return None
 
 
@@ -57,10 +58,17 @@ def _native_mla() -> bool:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array | None,
               kv_segment_ids: jax.Array | None, *, causal: bool, scale: float,
               interpret: bool = False) -> jax.Array:
-  """o [B, T, H, Dv] in q's dtype (the call must pass `supports`: no segment ids)."""
-  del q_segment_ids, kv_segment_ids, interpret
+  """o [B, T, H, Dv] in q's dtype (the call must pass `supports`)."""
+  del interpret
   dv = v.shape[-1]
   if dv != q.shape[-1] and not _native_mla():
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))
   kind = cudnn_sdpa.MaskType.CAUSAL if causal else cudnn_sdpa.MaskType.NO_MASK
-  return cudnn_sdpa.dot_product_attention(q, k, v, scale=scale, mask_type=kind)[..., :dv]
+  mask = None
+  if q_segment_ids is not None:
+    mask = ((q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+            & (q_segment_ids[:, None, :, None] != 0))
+  o = cudnn_sdpa.dot_product_attention(q, k, v, mask=mask, scale=scale, mask_type=kind)[..., :dv]
+  if q_segment_ids is None:
+    return o
+  return jnp.where((q_segment_ids != 0)[:, :, None, None], o, jnp.zeros((), o.dtype))

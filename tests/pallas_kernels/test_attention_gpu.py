@@ -2,8 +2,8 @@
 
 Forward, dq / dk / dv and the per-head max logit, bf16 (cudnn) and f16 (mosaic_gpu), at K3's
 head dims (q/k 192, v 128): causal, non-causal, a length that is no multiple of 64. The plan
-must pick the tier, so a silent fall-through fails the test. Calls with segment ids (packed
-documents, padding id 0) go to the written-out form by default (cudnn declines them).
+must pick the tier, so a silent fall-through fails the test. Packed documents (padding id 0)
+go to cudnn as a boolean mask.
 """
 import jax
 import jax.numpy as jnp
@@ -65,13 +65,17 @@ def test_cudnn(b, t, h, causal):
   check("cudnn", b, t, h, 192, 128, jnp.bfloat16, None, causal)
 
 
-def test_packed_calls_take_the_written_out_form_by_default():
+@pytest.mark.parametrize("b,t,docs,causal", [(2, 256, 5, True), (1, 200, 3, True),
+                                             (1, 256, 4, False)])
+def test_cudnn_packed(b, t, docs, causal):
+  check("cudnn", b, t, 2, 192, 128, jnp.bfloat16, packed_ids(b, t, docs), causal)
+
+
+def test_packed_and_unpacked_calls_take_cudnn_by_default():
   ids = packed_ids(2, 512, 5)
   q = jax.ShapeDtypeStruct((2, 512, 4, 192), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((2, 512, 4, 128), jnp.bfloat16)
-  p = plan(q, q, v, segment_ids=ids)
-  assert p.impl == "reference" and p.declined[0][0] == "cudnn"
-  assert "segment ids" in p.declined[0][1]
+  assert plan(q, q, v, segment_ids=ids).impl == "cudnn"
   assert plan(q, q, v).impl == "cudnn"
 
 
