@@ -21,6 +21,8 @@
 #   bash benchmarks/h200_baseline.sh moe_gmm_costs         # ~2 min: where gmm's (fwd) time goes
 #   bash benchmarks/h200_baseline.sh moe_fused             # ~4 min: fused gate/up GPU tests, its timing,
 #                                                          # MoE layer per choice with traces
+#   bash benchmarks/h200_baseline.sh train_parts           # ~6 min: the k3_small step, its compile by
+#                                                          # phase and compiler event, device time by part
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
 #   REMATS="none save_dots" bash benchmarks/h200_baseline.sh train_remat
@@ -189,6 +191,15 @@ PY
           --out=$OUT/train_remat_$remat.json 2>&1 | tee $OUT/train_remat_$remat.log | tail -3
       done
       ;;
+    train_parts)
+      # The k3_small step (TRAIN_ARGS) with its compile by phase and compiler events, and the
+      # table of its device time by part; the record goes to $OUT/train_h200.json.
+      rm -rf /tmp/train_parts /tmp/train_compile
+      timeout ${TRAIN_S:-450} python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+        --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json \
+        --compile_trace_dir=/tmp/train_compile --profile_dir=/tmp/train_parts 2>&1 \
+        | tee $OUT/train_parts.log | grep -vE "^\{" | tail -60
+      ;;
     train_trace)
       rm -rf /tmp/train_trace
       timeout 450 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
@@ -200,7 +211,7 @@ PY
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
         moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention,
-        train_trace)"; exit 2
+        train_parts, train_trace)"; exit 2
       ;;
   esac
 done
