@@ -5,8 +5,9 @@ Shapes: k3_small (B 2, T 8192, H 8) and K3 (B 1, T 8192, H 32 and 96), q/k head 
 v 128, bf16, causal, 4 packed documents per row. Rows: each tier by name through the op (a
 tier that declines is reported with its reason, not timed), and "cudnn_own":
 `jax.nn.dot_product_attention(implementation="cudnn")`, causal without documents, v
-zero-padded to 192 (JAX's wrapper requires equal head dims). Median wall ms of back-to-back
-calls (`common.time_jax`). `python3 -m benchmarks.attention --out=$OUT/attention.json`;
+zero-padded to 192 (JAX's wrapper requires equal head dims), and "cudnn_unpacked": our cudnn
+tier on the same call without documents (its like-for-like against cudnn_own). Median wall ms
+of back-to-back calls (`common.time_jax`). `python3 -m benchmarks.attention --out=$OUT/attention.json`;
 `--smoke` runs toy shapes once on any platform (CI).
 """
 import jax
@@ -64,6 +65,7 @@ def main(argv):
     rows = {name: ours(name) for name in attention_op.IMPLS}
     if on_gpu:
       rows["cudnn_own"] = cudnn_own
+      rows["cudnn_unpacked"] = lambda q, k, v, ids: ours("cudnn")(q, k, v, None)
     if _IMPLS.value:
       rows = {name: fn for name, fn in rows.items() if name in _IMPLS.value}
     for name, fn in rows.items():

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import tempfile
 import time
 from typing import Any, Callable
@@ -77,6 +78,19 @@ def versions() -> dict[str, str]:
     except Exception:  # pylint: disable=broad-exception-caught
       continue
   return out
+
+
+def code_commit() -> str:
+  """The measured code's commit: $K3JAX_COMMIT (set where the tree travels without .git), else
+  git's HEAD, else "unknown"."""
+  if os.environ.get("K3JAX_COMMIT"):
+    return os.environ["K3JAX_COMMIT"]
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         timeout=10, check=True)
+    return out.stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
 
 
 def today() -> str:

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import gzip
 import json
+import os
 import pathlib
 import time
 
@@ -120,15 +121,19 @@ def main(argv):
              active_params=counts.active, kda_impl=cfg.kernels.kda_impl or "auto",
              ragged_dot_impl=cfg.kernels.ragged_dot_impl or "auto",
              gate_up_impl=cfg.kernels.gate_up_impl or "auto",
-             gate_up_train=cfg.kernels.gate_up_train,
+             gate_up_train=cfg.kernels.gate_up_train, remat=cfg.model.remat,
+             attention_impl=cfg.kernels.attention_impl or "auto",
+             muon_ns_dtype=cfg.train.muon_ns_dtype, xla_flags=os.environ.get("XLA_FLAGS", ""),
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
-             device=common.device_name(), date=common.today(), versions=common.versions())
+             device=common.device_name(), date=common.today(), commit=common.code_commit(),
+             versions=common.versions())
   if parts:
     rec["parts"] = parts
   if compile_parts:
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
-                       ("op", "config", "B", "T", "kda_impl", "gate_up_train", "device"))
+                       ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
+                        "xla_flags", "device"))
   print(rec)
 
 
