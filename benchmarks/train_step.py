@@ -73,7 +73,8 @@ def main(argv):
   with (jax.profiler.trace(_COMPILE_TRACE_DIR.value, profiler_options=_compile_trace_options())
         if _COMPILE_TRACE_DIR.value else contextlib.nullcontext()):
     phases, t0 = {}, time.perf_counter()
-    traced = jax.jit(train.make_train_step(setup), donate_argnums=0).trace(state, batch())
+    traced = jax.jit(train.make_train_step(setup), donate_argnums=0,
+                     compiler_options=train.compiler_options(cfg)).trace(state, batch())
     phases["trace_s"], t = time.perf_counter() - t0, time.perf_counter()
     lowered = traced.lower()
     phases["lower_s"], t = time.perf_counter() - t, time.perf_counter()
@@ -101,7 +102,7 @@ def main(argv):
   if _PROFILE_DIR.value:
     if jax.devices()[0].platform == "gpu":  # kernels of CUDA graphs do not name their HLO op
       step = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch()).compile(
-          compiler_options={"xla_gpu_enable_command_buffer": ""})
+          compiler_options={**train.compiler_options(cfg), "xla_gpu_enable_command_buffer": ""})
       state, m = step(state, batches[0])
       jax.block_until_ready(m)
     with jax.profiler.trace(_PROFILE_DIR.value):
@@ -124,6 +125,7 @@ def main(argv):
              gate_up_train=cfg.kernels.gate_up_train, remat=cfg.model.remat,
              attention_impl=cfg.kernels.attention_impl or "auto",
              muon_ns_dtype=cfg.train.muon_ns_dtype, xla_flags=os.environ.get("XLA_FLAGS", ""),
+             xla_triton_gemm=cfg.kernels.xla_triton_gemm,
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
              device=common.device_name(), date=common.today(), commit=common.code_commit(),
              versions=common.versions())
@@ -133,7 +135,7 @@ def main(argv):
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
-                        "xla_flags", "device"))
+                        "xla_flags", "xla_triton_gemm", "device"))
   print(rec)
 
 

@@ -12,17 +12,38 @@ from flax import nnx
 from k3jax import params
 
 
+def _scores(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """<v / rms(v), w> over the last axis, fp32: [..., d] -> [...] (Eq. 9's logits)."""
+  v = v.astype(jnp.float32)
+  return jnp.sum(v * w, axis=-1) * jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+
+
+def _mix(blocks: jax.Array, valid: jax.Array, partial: jax.Array, query: jax.Array,
+         norm_scale: jax.Array, eps: float) -> jax.Array:
+  """Softmax mix of blocks [N, B, T, d] (where `valid` [N]) and partial [B, T, d] (Eq. 9).
+
+  Written as per-source reductions and weighted sums, not as einsums: an einsum over the
+  source axis lowers to B*T matmuls of [1, S] x [S, d], far slower than one elementwise pass.
+  The keys v / rms(v) are never formed: <v / rms(v), w> = <v, w> / rms(v).
+  """
+  w = norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
+  sb = jnp.where(valid[:, None, None], _scores(blocks, w, eps), -jnp.inf)  # [N, B, T]
+  sp = _scores(partial, w, eps)  # [B, T]
+  m = jnp.maximum(sb.max(axis=0), sp)
+  eb, ep = jnp.exp(sb - m), jnp.exp(sp - m)
+  z = eb.sum(axis=0) + ep
+  out = jnp.sum((eb / z)[..., None] * blocks.astype(jnp.float32), axis=0)
+  return (out + (ep / z)[..., None] * partial.astype(jnp.float32)).astype(partial.dtype)
+
+
 def attn_res_mix(sources: list[jax.Array], query: jax.Array, norm_scale: jax.Array,
                  eps: float) -> jax.Array:
   """h = sum_i softmax_i(<v_i / rms(v_i), norm_scale * query>) v_i, in fp32 (Eq. 9).
 
   sources: S arrays [B, T, d]; query, norm_scale: [d]. Returns [B, T, d] in the sources' dtype.
   """
-  v = jnp.stack(sources).astype(jnp.float32)  # [S, B, T, d]
-  keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-  w = norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
-  alpha = jax.nn.softmax(jnp.einsum("sbtd,d->sbt", keys, w), axis=0)
-  return jnp.einsum("sbt,sbtd->btd", alpha, v).astype(sources[-1].dtype)
+  blocks = jnp.stack(sources[:-1]) if len(sources) > 1 else sources[-1][None][:0]
+  return _mix(blocks, jnp.ones(blocks.shape[0], bool), sources[-1], query, norm_scale, eps)
 
 
 def pseudo_query(dim: int, *, rngs: nnx.Rngs) -> tuple[nnx.Dict, nnx.Dict]:
@@ -47,15 +68,7 @@ def attn_res_mix_masked(blocks: jax.Array, count: jax.Array, partial: jax.Array,
   sums; partial: [B, T, d]. The unused slots are masked out of the softmax over sources (Eq. 9),
   so they get zero weight. Returns [B, T, d] in partial's dtype.
   """
-  n = blocks.shape[0]
-  v = jnp.concatenate([blocks, partial[None].astype(blocks.dtype)]).astype(jnp.float32)
-  keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-  w = norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
-  slots = jnp.arange(n + 1)
-  valid = (slots < count) | (slots == n)
-  logits = jnp.where(valid[:, None, None], jnp.einsum("sbtd,d->sbt", keys, w), -jnp.inf)
-  alpha = jax.nn.softmax(logits, axis=0)
-  return jnp.einsum("sbt,sbtd->btd", alpha, v).astype(partial.dtype)
+  return _mix(blocks, jnp.arange(blocks.shape[0]) < count, partial, query, norm_scale, eps)
 
 
 def push_block(blocks: jax.Array, count: jax.Array, partial: jax.Array, boundary: jax.Array

@@ -124,7 +124,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
     writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
                            purge_step=start + 1 if start else None)
   step_fn = jax.jit(train.make_train_step(setup), donate_argnums=0,
-                    out_shardings=(state_shardings, None))
+                    out_shardings=(state_shardings, None),
+                    compiler_options=train.compiler_options(cfg))
   checkpoint.install_sigterm_handler()
   flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len, counts)
   peak, peak_source = flops.peak_flops_per_device()

@@ -195,6 +195,16 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainSta
   return step
 
 
+def compiler_options(cfg: ml_collections.ConfigDict) -> dict[str, bool]:
+  """XLA options of the train step's compile (`jax.jit(compiler_options=...)`).
+
+  `kernels.xla_triton_gemm=False` leaves the GEMMs XLA emits itself to cuBLAS: on the H200
+  (k3_small, 2026-12-02) its Triton GEMM fusions made the step 3% slower and the compile 20 s
+  longer (their autotuning and codegen). Other backends ignore the option.
+  """
+  return {"xla_gpu_enable_triton_gemm": bool(cfg.kernels.xla_triton_gemm)}
+
+
 def state_shardings(setup: Setup, state: TrainState, mesh, rules) -> TrainState:
   """NamedShardings for the whole train state from the parameters' logical axis names."""
   p_sh = sharding.tree_shardings(state["params"], setup.logical_names["params"], mesh, rules)

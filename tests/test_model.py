@@ -138,7 +138,7 @@ def test_block_attn_res_wiring_matches_eq10(tiny_model):
   final = attn_res.mix(done + [sum(o for b, o in outputs if b == last)],
                        model.output_attn_res_norm, model.output_attn_res_proj, 1e-5)
   ref = model.logits(model.norm(final))
-  np.testing.assert_allclose(logits, ref, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(logits, ref, rtol=2e-5, atol=5e-5)  # fp32 sum orders differ
 
 
 @pytest.mark.parametrize("block", [2, 0])

@@ -68,6 +68,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Its training: "kernel" (also writes SiTU's partials), or "unfused" forward + VJP
   kn.gate_up_train = "kernel"
   kn.attention_impl = ""  # MLA training attention (pallas_kernels.attention): "" best available
+  kn.xla_triton_gemm = False  # XLA's own GEMMs: cuBLAS (False) or its Triton GEMM fusions (True)
 
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000
