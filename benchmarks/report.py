@@ -80,7 +80,8 @@ class Results:
         continue
       key = {k: v for k, v in r.items()
              if k in ("implementation", "pass", "shape", "B", "T", "H", "config", "tokens",
-                      "kda_impl", "ragged_dot_impl", "gate_up_train")}
+                      "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
+                      "xla_triton_gemm", "xla_flags")}
       newest[json.dumps(key, sort_keys=True)] = r
     return list(newest.values())
 
@@ -266,21 +267,65 @@ def top_k(root: pathlib.Path) -> str:
 def train_step(root: pathlib.Path) -> str:
   res = Results(root, "train_h200.json")
   recs = res.current("train_step")
-  body = [[f"{r['config']} B {r['B']} x T {r['T']}",
-           f"{r.get('kda_impl')} / {r.get('ragged_dot_impl')} / {r.get('gate_up_train')}",
+
+  def choices(r):
+    kernels = f"{r.get('kda_impl')} / {r.get('ragged_dot_impl')} / {r.get('gate_up_train')}"
+    if "remat" not in r:
+      return kernels
+    gemm = "Triton" if r.get("xla_triton_gemm", True) else "cuBLAS"
+    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}"
+
+  def compile_s(r):
+    total = _num(r.get("compile_and_warmup_s"))
+    if "xla_compile_s" not in r:
+      return total
+    return (f"{total} ({r['trace_s']:.0f} + {r['lower_s']:.0f} + {r['xla_compile_s']:.0f} + "
+            f"{r['warmup_s']:.0f})")
+
+  body = [[f"{r['config']} B {r['B']} x T {r['T']}", choices(r),
            f"{r['step_ms']:.1f}", f"{r['tokens_per_s'] / 1e3:.1f}k", _num(r["model_tflops"], 1),
-           f"{r['mfu']:.1%}", _num(r.get("compile_and_warmup_s")), res.provenance(r)]
-          for r in sorted(recs, key=lambda r: r["step_ms"])]
-  header = ["config", "kda_impl / ragged_dot_impl / gate_up_train", "ms / step", "tokens/s", "model TFLOP/s", "MFU",
-            "compile + warm-up, s", "recorded"]
+           f"{r['mfu']:.1%}", compile_s(r), res.provenance(r)]
+          for r in sorted(recs, key=lambda r: (r["B"], r["step_ms"]))]
+  header = ["config", "kda / ragged_dot / gate_up_train; remat; XLA GEMMs", "ms / step",
+            "tokens/s", "model TFLOP/s", "MFU",
+            "compile + warm-up, s (trace + lower + XLA + 2 steps)", "recorded"]
   return (f"{_table(header, body, text_columns=2)}\n\n"
           f"Recorded: benchmarks/results/train_h200.json (date measured, commit that added it).")
+
+
+def train_parts(root: pathlib.Path) -> str:
+  """The newest train-step record with a per-part table (`benchmarks/step_parts.py`)."""
+  res = Results(root, "train_h200.json")
+  recs = [r for r in res.records if r.get("op") == "train_step" and r.get("parts")]
+  if not recs:
+    return "No train-step record with a per-part table yet."
+  r = recs[-1]
+  total = sum(p["ms_per_step"] for p in r["parts"])
+  body = [[p["part"], f"{p['ms_per_step']:.1f}", f"{p['share']:.1%}", _num(p.get("fwd_ms"), 1),
+           _num(p.get("bwd_ms"), 1)] for p in r["parts"] if p["share"] >= 0.005]
+  body.append(["**total** (parts under 0.5% included)", f"{total:.1f}", "100%", "", ""])
+  return (f"{_table(['part', 'ms / step', 'share', 'forward ms', 'backward ms'], body)}\n\n"
+          f"{r['config']} B {r['B']} x T {r['T']}, {r['step_ms']:.1f} ms per step with CUDA "
+          f"graphs ({r['mfu']:.1%} MFU); recorded {res.provenance(r)}, code at "
+          f"{r.get('commit', '?')}.")
+
+
+def mla_attention(root: pathlib.Path) -> str:
+  res = Results(root, "train_h200.json")
+  recs = res.current("mla_attention")
+  shapes = _shapes(recs)
+  cols = [(f"{i}/{p}", f"{i} {'fwd' if p == 'fwd' else 'fwd+bwd'}")
+          for i in ("cudnn", "cudnn_unpacked", "cudnn_own", "xla_blockwise", "reference")
+          for p in ("fwd", "fwd_bwd")]
+  table = _grid(recs, lambda r: _shape(r["shape"]), lambda r: f"{r['implementation']}/{r['pass']}",
+                lambda r: f"{r['median_ms']:.2f}", [(s, s) for s in shapes], cols, "ms per call")
+  return f"{table}\n\n{res.caption(recs)}"
 
 
 TABLES: dict[str, Callable[[pathlib.Path], str]] = {
     "ceilings": ceilings, "kda": kda, "kda_accuracy": kda_accuracy, "moe_gemm": moe_gemm,
     "moe_layer": moe_layer, "moe_gate_up": moe_gate_up, "top_k": top_k,
-    "train_step": train_step}
+    "train_step": train_step, "train_parts": train_parts, "mla_attention": mla_attention}
 
 
 def fill(doc: str, tables: dict[str, str]) -> str:
