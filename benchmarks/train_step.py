@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from benchmarks import common, step_parts
 from k3jax import config as config_lib
-from k3jax import flops, train
+from k3jax import flops, sharding, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_small.py", "Config.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records (JSON list).")
@@ -63,6 +63,9 @@ def main(argv):
   cfg = config_lib.validate(_CONFIG.value)
   t = cfg.train
   setup, state = train.init(cfg, 0)
+  # The step is traced under a mesh of this one device, as in training (k3jax.loop); at data = 1
+  # the FSDP rules change nothing.
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   rng = np.random.default_rng(0)
   b, s = t.global_batch_size, t.seq_len
   def batch():
@@ -73,8 +76,9 @@ def main(argv):
   with (jax.profiler.trace(_COMPILE_TRACE_DIR.value, profiler_options=_compile_trace_options())
         if _COMPILE_TRACE_DIR.value else contextlib.nullcontext()):
     phases, t0 = {}, time.perf_counter()
-    traced = jax.jit(train.make_train_step(setup), donate_argnums=0,
-                     compiler_options=train.compiler_options(cfg)).trace(state, batch())
+    with jax.set_mesh(mesh):
+      traced = jax.jit(train.make_train_step(setup), donate_argnums=0,
+                       compiler_options=train.compiler_options(cfg)).trace(state, batch())
     phases["trace_s"], t = time.perf_counter() - t0, time.perf_counter()
     lowered = traced.lower()
     phases["lower_s"], t = time.perf_counter() - t, time.perf_counter()
@@ -101,7 +105,9 @@ def main(argv):
   parts = []
   if _PROFILE_DIR.value:
     if jax.devices()[0].platform == "gpu":  # kernels of CUDA graphs do not name their HLO op
-      step = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch()).compile(
+      with jax.set_mesh(mesh):
+        lowered = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch())
+      step = lowered.compile(
           compiler_options={**train.compiler_options(cfg), "xla_gpu_enable_command_buffer": ""})
       state, m = step(state, batches[0])
       jax.block_until_ready(m)

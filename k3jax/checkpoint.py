@@ -27,6 +27,7 @@ from absl import logging
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 _STOP_REQUESTED = threading.Event()
 _REASON_CHARS = 300
@@ -40,11 +41,15 @@ _CAUSES = (("OUT_OF_RANGE", "file truncated"), ("DATA_LOSS", "file damaged"),
 def install_sigterm_handler() -> Any:
   """On SIGTERM, only set the flag that `Checkpointer.should_stop()` returns.
 
-  The training loop polls it, saves a final checkpoint and exits. Clears the
-  flag; returns the previous handler (for signal.signal to put back). Call from
-  the main thread.
+  The training loop polls it (`Checkpointer.stop_after`), saves a final checkpoint and exits.
+  Clears the flag; returns the previous handler (for signal.signal to put back). Call from
+  the main thread. With several processes (jax.distributed) SIGTERM stays with JAX's
+  preemption service, which makes every process stop after the same step (`stop_after`);
+  nothing is installed and None is returned.
   """
   _STOP_REQUESTED.clear()
+  if jax.process_count() > 1:
+    return None
 
   def _handler(signum, frame):
     del frame
@@ -105,10 +110,14 @@ _CHECKED = ("params", "buffers")
 
 
 def _named_shapes(state: Any) -> dict[str, tuple[int, ...]]:
-  """{orbax name: shape} of the `params` and `buffers` of a train state (a dict)."""
+  """{orbax name: shape} of the `params` and `buffers` of a train state (a dict).
+
+  Names are the dotted key paths, as orbax writes them; an empty subtree (`buffers` of a model
+  without MoE layers) has no leaves and no name (orbax's `get_param_names` gives it one).
+  """
   tree = {k: state[k] for k in _CHECKED if isinstance(state, dict) and k in state}
-  names = ocp.tree.get_param_names(tree)
-  return dict(zip(jax.tree.leaves(names), (tuple(x.shape) for x in jax.tree.leaves(tree))))
+  return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(x.shape)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 class Checkpointer:
@@ -235,6 +244,19 @@ class Checkpointer:
   @staticmethod
   def should_stop() -> bool:
     """True once SIGTERM arrived (after `install_sigterm_handler`)."""
+    return _STOP_REQUESTED.is_set()
+
+  @staticmethod
+  def stop_after(step: int) -> bool:
+    """Whether to save and stop after `step` (call it after every step).
+
+    One process: once SIGTERM arrived. Several: at the step that JAX's preemption service
+    agrees on once any process got SIGTERM (`multihost_utils.reached_preemption_sync_point`;
+    the processes may be steps apart when it arrives); `should_stop()` is then True too.
+    """
+    if jax.process_count() > 1 and multihost_utils.reached_preemption_sync_point(step):
+      logging.warning("preemption: every process stops after step %d with a checkpoint", step)
+      _STOP_REQUESTED.set()
     return _STOP_REQUESTED.is_set()
 
   def wait(self) -> None:

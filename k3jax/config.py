@@ -16,6 +16,8 @@ from experiments.configs import base
 _CHOICES = {
     "model.kda.gate": ("lower_bound", "softplus"),
     "model.moe.balancing": ("quantile", "quantile_exact", "sign", "none"),
+    "model.moe.expert_parallel": ("auto", "off"),
+    "model.moe.ep_all_to_all": ("auto", "ragged", "padded"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "save_dots", "save_mixer_out", "offload"),
@@ -138,6 +140,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if m.moe.num_experts_per_tok > m.moe.num_experts:
       raise ConfigError("model.moe.num_experts_per_tok",
                         f"top-k {m.moe.num_experts_per_tok} exceeds num_experts {m.moe.num_experts}")
+    factor = m.moe.ep_capacity_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+      raise ConfigError("model.moe.ep_capacity_factor", f"must be a number > 0, got {factor!r}")
   if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
     raise ConfigError("train.grad_accum_steps",
                       f"{cfg.train.grad_accum_steps} does not divide train.global_batch_size="

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import context_parallel
 from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import kda as kda_ops
@@ -102,35 +103,45 @@ class KDA(nnx.Module):
     """x: [B, T, d] -> ([B, T, d], new cache or None).
 
     cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv_q"/"conv_k"/"conv_v":
-    [B, W-1, H*K]}; pass one to receive the updated one.
+    [B, W-1, H*K]}; pass one to receive the updated one. Without a cache, under a mesh with a
+    `context` axis of size > 1 the conv and recurrence run split over it (report §5.2,
+    `context_parallel.kda_token_mix`).
     """
     b, t, _ = x.shape
     h, d_h, dt = self.num_heads, self.head_dim, self.dtype
     x = x.astype(dt)
     w = lambda p: p["kernel"][...].astype(dt)
+    project = lambda p: jnp.einsum("btd,dhk->bthk", x, w(p)).reshape(b, t, h * d_h)
 
     def qkv(proj, conv, name):
-      y = jnp.einsum("btd,dhk->bthk", x, w(proj)).reshape(b, t, h * d_h)
-      y, new = short_conv(y, w(conv), segment_ids, None if cache is None else cache[name])
+      y, new = short_conv(project(proj), w(conv), segment_ids,
+                          None if cache is None else cache[name])
       return jax.nn.silu(y).reshape(b, t, h, d_h), new
 
-    q, cq = qkv(self.q_proj, self.q_conv1d, "conv_q")
-    k, ck = qkv(self.k_proj, self.k_conv1d, "conv_k")
-    v, cv = qkv(self.v_proj, self.v_conv1d, "conv_v")
     f = jnp.einsum("btr,rhk->bthk", x @ w(self.f_a_proj), w(self.f_b_proj))
     g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, d_h), self.gate_kind,
                     self.lower_bound)
     beta = jax.nn.sigmoid((x @ w(self.b_proj)).astype(jnp.float32))
-    if cache is not None and t == 1:
-      o, state = kda_ops.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache["state"],
-                                             output_final_state=True,
-                                             use_qk_l2norm_in_kernel=True)
+    gate_bound = self.lower_bound if self.gate_kind == "lower_bound" else None
+    if cache is None and context_parallel.context_size() > 1:
+      o = context_parallel.kda_token_mix(
+          tuple(project(p) for p in (self.q_proj, self.k_proj, self.v_proj)),
+          tuple(w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)), g, beta,
+          segment_ids, conv=lambda y, kernel, ids: short_conv(y, kernel, ids)[0],
+          gate_bound=gate_bound, impl=self.impl or None)
     else:
-      o, state = kda_ops.chunk_kda(
-          q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
-          output_final_state=cache is not None, segment_ids=segment_ids,
-          gate_bound=self.lower_bound if self.gate_kind == "lower_bound" else None,
-          impl=self.impl or None, use_qk_l2norm_in_kernel=True)
+      q, cq = qkv(self.q_proj, self.q_conv1d, "conv_q")
+      k, ck = qkv(self.k_proj, self.k_conv1d, "conv_k")
+      v, cv = qkv(self.v_proj, self.v_conv1d, "conv_v")
+      if cache is not None and t == 1:
+        o, state = kda_ops.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache["state"],
+                                               output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+      else:
+        o, state = kda_ops.chunk_kda(
+            q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
+            output_final_state=cache is not None, segment_ids=segment_ids,
+            gate_bound=gate_bound, impl=self.impl or None, use_qk_l2norm_in_kernel=True)
     if self.use_full_rank_gate:
       z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
     else:

@@ -154,9 +154,25 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax
                      f"{w3.shape}, {w2.shape}")
   if gate_up_train not in GATE_UP_TRAIN:
     raise ValueError(f"gate_up_train must be one of {GATE_UP_TRAIN}, got {gate_up_train!r}")
-  top_k = experts.shape[1]
   with jax.named_scope("moe_dispatch"):
     order, inverse, group_sizes = sort_by_expert(experts, num_experts)
+  return grouped_experts(z, weights, order, inverse, group_sizes, w1, w3, w2, beta1, beta2,
+                         ragged_dot, gate_up_impl, gate_up_train, interpret)
+
+
+def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array,
+                    group_sizes: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+                    beta1: float, beta2: float, ragged_dot: RaggedDot = jax.lax.ragged_dot,
+                    gate_up_impl: str | None = "xla", gate_up_train: str = "kernel",
+                    interpret: bool = False) -> jax.Array:
+  """`routed_experts` past the sort: the copies listed by `order` (grouped by expert,
+  `group_sizes` [E] int32) through the experts, combined with `weights` (Eq. 11).
+
+  z [N, l], weights [N, k], order / inverse [N*k] int32 -> u [N, l]. Copies in expert order
+  past sum(group_sizes) belong to no expert and give zero rows (the expert-parallel receive
+  buffer's padding, `k3jax.expert_parallel`).
+  """
+  top_k = weights.shape[1]
   tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
                           interpret=interpret).impl
   if tier == "xla":
@@ -341,6 +357,17 @@ def _combine_bwd(res, d_u):
 combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+def routing_stats(scores: jax.Array, experts: jax.Array, bias: jax.Array, cutoffs: jax.Array,
+                  top_k: int, num_bins: int) -> dict[str, jax.Array]:
+  """One batch's balancing statistics (§2.3.3, App. D): loads [E] int32, qb_counts [E, bins]
+  int32, qb_lo, qb_hi, from scores [N, E], experts [N, k], bias [E] and the cutoffs [N] of
+  `route`. Counts of shards or micro-batches routed with the same bias add (`merge_aux`)."""
+  num_experts = scores.shape[1]
+  counts, lo, hi = qb.histogram_counts(jax.lax.stop_gradient(scores), bias, top_k, num_bins,
+                                       cutoffs)
+  return dict(loads=expert_counts(experts, num_experts), qb_counts=counts, qb_lo=lo, qb_hi=hi)
+
+
 def update_bias(bias: jax.Array, aux: dict[str, jax.Array], *, method: str, top_k: int,
                 rate: float = 0.0) -> jax.Array:
   """The bias for the next step from one step's (merged) `aux` (report §2.3.3).
@@ -369,10 +396,12 @@ def update_bias(bias: jax.Array, aux: dict[str, jax.Array], *, method: str, top_
 def merge_aux(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Combines the aux of two micro-batches (or shards) routed with the same bias.
 
-  Counts add; `qb_lo`/`qb_hi` depend only on the bias and are taken from `a`; `scores` (if
-  kept) are concatenated along tokens.
+  Counts add (and `ep_dropped`, the copies dropped by expert parallelism, if present);
+  `qb_lo`/`qb_hi` depend only on the bias and are taken from `a`; `scores` (if kept) are
+  concatenated along tokens.
   """
-  out = {key: a[key] + b[key] for key in ("loads", "qb_counts", "num_tokens")}
+  counts = ("loads", "qb_counts", "num_tokens") + (("ep_dropped",) if "ep_dropped" in a else ())
+  out = {key: a[key] + b[key] for key in counts}
   out["qb_lo"], out["qb_hi"] = a["qb_lo"], a["qb_hi"]
   if "scores" in a:
     out["scores"] = jnp.concatenate([a["scores"], b["scores"]], axis=0)
@@ -389,6 +418,11 @@ class LatentMoE(nnx.Module):
   ragged_dot: the grouped matmul; gate_up_impl: the tier of `pallas_kernels.moe_gate_up` for
   the fused gather + W1/W3 + SiTU ("xla": unfused; None: the platform's default);
   gate_up_train: how that kernel trains (`GATE_UP_TRAIN`, `fused_gate_up`).
+  expert_parallel ("auto" | "off"): under a mesh with an `expert` axis of size > 1 (the
+  abstract mesh of `jax.set_mesh`), "auto" routes and runs the experts through
+  `k3jax.expert_parallel` (all-to-all over `expert`, receive buffers of
+  ep_capacity_factor * tokens per device * top-k rows; ep_all_to_all: "auto" | "ragged" |
+  "padded"); otherwise, and with "off", one device's computation as XLA partitions it.
   """
 
   def __init__(self, dim: int, *, num_experts: int, top_k: int, n_shared_experts: int,
@@ -397,8 +431,9 @@ class LatentMoE(nnx.Module):
                beta1: float = 4.0, beta2: float = 25.0, rms_norm_eps: float = 1e-5,
                qb_num_bins: int = 1000, qb_keep_scores: bool = False,
                ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
-               gate_up_train: str = "kernel", rngs: nnx.Rngs, dtype=jnp.float32,
-               param_dtype=jnp.float32):
+               gate_up_train: str = "kernel", expert_parallel: str = "auto",
+               ep_capacity_factor: float = 2.0, ep_all_to_all: str = "auto", rngs: nnx.Rngs,
+               dtype=jnp.float32, param_dtype=jnp.float32):
     if not 1 <= top_k < num_experts:
       raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "
                        f"(Quantile Balancing takes top-(k+1)), got {top_k}")
@@ -413,6 +448,8 @@ class LatentMoE(nnx.Module):
     self.qb_num_bins, self.qb_keep_scores = qb_num_bins, qb_keep_scores
     self.ragged_dot, self.gate_up_impl = ragged_dot, gate_up_impl
     self.gate_up_train = gate_up_train
+    self.expert_parallel, self.ep_capacity_factor = expert_parallel, ep_capacity_factor
+    self.ep_all_to_all = ep_all_to_all
     self.dtype = dtype
     self.use_latent = latent_size not in (0, dim)
     lat = latent_size if self.use_latent else dim
@@ -448,22 +485,39 @@ class LatentMoE(nnx.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B, T, d] -> (y [B, T, d], aux) with aux for the bias update and load statistics:
     loads [E] int32, qb_counts [E, bins] int32, qb_lo, qb_hi, num_tokens (and scores [N, E]
-    when qb_keep_scores)."""
+    when qb_keep_scores; ep_dropped on the expert-parallel path)."""
+    from k3jax import expert_parallel  # imported here: expert_parallel imports this module
     bsz, seq, dim = x.shape
     xf = x.reshape(bsz * seq, dim)
     bias = self.gate["e_score_correction_bias"][...]
-    with jax.named_scope("moe_routing"):
-      weights, experts, scores, cutoffs = route(
-          xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
-          self.norm_topk_prob, return_cutoffs=True)
     h = xf.astype(self.dtype)
     if self.use_latent:
       with jax.named_scope("moe_latent"):
         h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
-    u = routed_experts(
-        h, weights, experts, self.experts["w1"][...].astype(self.dtype),
-        self.experts["w3"][...].astype(self.dtype), self.experts["w2"][...].astype(self.dtype),
-        self.beta1, self.beta2, self.ragged_dot, self.gate_up_impl, self.gate_up_train)
+    w1, w3, w2 = (self.experts[w][...].astype(self.dtype) for w in ("w1", "w3", "w2"))
+    if expert_parallel.enabled(self.expert_parallel, jax.sharding.get_abstract_mesh()):
+      u, aux = expert_parallel.routed_moe(
+          x, h.reshape(bsz, seq, -1), self.gate["kernel"][...], bias, w1, w3, w2,
+          top_k=self.top_k, routed_scaling_factor=self.routed_scaling_factor,
+          norm_topk_prob=self.norm_topk_prob, beta1=self.beta1, beta2=self.beta2,
+          qb_num_bins=self.qb_num_bins, keep_scores=self.qb_keep_scores,
+          capacity_factor=self.ep_capacity_factor, all_to_all=self.ep_all_to_all,
+          ragged_dot=self.ragged_dot, gate_up_impl=self.gate_up_impl,
+          gate_up_train=self.gate_up_train)
+      u = u.reshape(bsz * seq, -1)
+      if self.qb_keep_scores:
+        aux["scores"] = aux["scores"].reshape(bsz * seq, -1)
+    else:
+      with jax.named_scope("moe_routing"):
+        weights, experts, scores, cutoffs = route(
+            xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
+            self.norm_topk_prob, return_cutoffs=True)
+      u = routed_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
+                         self.ragged_dot, self.gate_up_impl, self.gate_up_train)
+      with jax.named_scope("moe_stats"):
+        aux = routing_stats(scores, experts, bias, cutoffs, self.top_k, self.qb_num_bins)
+      if self.qb_keep_scores:
+        aux["scores"] = jax.lax.stop_gradient(scores)
     if self.use_latent:
       with jax.named_scope("moe_latent"):
         u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
@@ -471,14 +525,5 @@ class LatentMoE(nnx.Module):
     if self.has_shared:
       with jax.named_scope("moe_shared"):
         u = u + self.shared_experts(xf)
-    y = u.reshape(bsz, seq, dim)
-
-    s = jax.lax.stop_gradient(scores)
-    with jax.named_scope("moe_stats"):
-      counts, lo, hi = qb.histogram_counts(s, bias, self.top_k, self.qb_num_bins, cutoffs)
-      loads = expert_counts(experts, self.num_experts)
-    aux = dict(loads=loads, qb_counts=counts, qb_lo=lo, qb_hi=hi,
-               num_tokens=jnp.asarray(bsz * seq, jnp.int32))
-    if self.qb_keep_scores:
-      aux["scores"] = s
-    return y, aux
+    aux["num_tokens"] = jnp.asarray(bsz * seq, jnp.int32)
+    return u.reshape(bsz, seq, dim), aux

@@ -12,13 +12,32 @@ import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
 
-from k3jax import checkpoint, data, flops, sharding, train
+from k3jax import checkpoint, data, expert_parallel, flops, pipeline, sharding, train
 from k3jax import config as config_lib
 
 
-def _place(batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
-  """Host-local numpy batch -> global arrays sharded over the batch axes."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+def _place(batch: dict[str, np.ndarray], batch_sharding,
+           global_batch: int) -> dict[str, jax.Array]:
+  """This process's rows (`_process_rows`) -> global [global_batch, T] arrays."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, v, (global_batch, *v.shape[1:]))
+          for k, v in batch.items()}
+
+
+def _process_rows(batch_sharding, global_batch: int, seq_len: int) -> range:
+  """The rows of the global batch that this process's devices hold.
+
+  One contiguous block; processes whose devices hold the same block (replicas over `pipeline`
+  or `context`) read the same documents, the others disjoint ones.
+  """
+  blocks = {index[0].indices(global_batch)[:2] for index in
+            batch_sharding.addressable_devices_indices_map((global_batch, seq_len)).values()}
+  start, stop = min(a for a, _ in blocks), max(b for _, b in blocks)
+  size = stop - start
+  if sum(b - a for a, b in blocks) != size or start % size or global_batch % size:
+    raise ValueError(f"this process's devices hold batch rows {sorted(blocks)}: not one block "
+                     f"of an even split of the {global_batch} rows; order the mesh devices by "
+                     f"process")
+  return range(start, stop)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -62,14 +81,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   (`checkpoint.Checkpointer.should_stop()` tells the caller).
   """
   t = cfg.train
-  if t.global_batch_size % jax.process_count():
-    raise config_lib.ConfigError(
-        "train.global_batch_size", f"{t.global_batch_size} is not divisible by the "
-        f"{jax.process_count()} processes")
-  data_iter = data.make_train_iterator(
-      cfg.data, seq_len=t.seq_len, batch_size=t.global_batch_size // jax.process_count(),
-      vocab_size=cfg.model.vocab_size, seed=t.seed, shard_index=jax.process_index(),
-      shard_count=jax.process_count())
   mesh = sharding.make_mesh(cfg.mesh)
   rules = cfg.mesh.logical_axis_rules
   batch_sharding = sharding.batch_sharding(mesh, rules)
@@ -78,6 +89,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
     raise config_lib.ConfigError(
         "train.global_batch_size", f"{t.global_batch_size} is not divisible by the "
         f"{batch_shards} batch shards of the mesh")
+  rows = _process_rows(batch_sharding, t.global_batch_size, t.seq_len)
+  data_iter = data.make_train_iterator(
+      cfg.data, seq_len=t.seq_len, batch_size=len(rows), vocab_size=cfg.model.vocab_size,
+      seed=t.seed, shard_index=rows.start // len(rows),
+      shard_count=t.global_batch_size // len(rows))
 
   setup, state = train.init(cfg, t.seed)
   state_shardings = train.state_shardings(setup, state, mesh, rules)
@@ -86,6 +102,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   counts = flops.count_params(cfg.model)
   say(f"k3jax: {cfg.name}, {counts}\noptimizer:\n"
       f"{train.optimizer_table(cfg.train, state['params'])}")
+  if cfg.mesh.pipeline > 1:
+    say(pipeline.describe(cfg))
 
   saved_cfg = _saved_config(workdir)
   changed = config_lib.differences(saved_cfg, cfg) if saved_cfg is not None else []
@@ -123,14 +141,21 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
     # interrupted run, so a replayed step shows once.
     writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
                            purge_step=start + 1 if start else None)
-  step_fn = jax.jit(train.make_train_step(setup), donate_argnums=0,
-                    out_shardings=(state_shardings, None),
-                    compiler_options=train.compiler_options(cfg))
+  jitted = jax.jit(train.make_train_step(setup), donate_argnums=0,
+                   out_shardings=(state_shardings, None),
+                   compiler_options=train.compiler_options(cfg))
+
+  def step_fn(state, batch):
+    with jax.set_mesh(mesh):  # traced with the mesh: FSDP gathers, model code's shard_maps
+      return jitted(state, batch)
+
   checkpoint.install_sigterm_handler()
   flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len, counts)
   peak, peak_source = flops.peak_flops_per_device()
   say(f"model FLOPs per token {flops_per_token:.3g}; peak {peak:.3g} FLOP/s per device "
-      f"({peak_source}); mesh {dict(mesh.shape)}")
+      f"({peak_source}); mesh {dict(mesh.shape)}; train state per device "
+      f"{sharding.per_device_bytes(state) / 2**20:.1f} of "
+      f"{sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20:.1f} MiB")
   tokens_per_step = t.global_batch_size * t.seq_len
   bar = tqdm.tqdm(total=t.steps, initial=min(start, t.steps), dynamic_ncols=True,
                   disable=jax.process_index() != 0)
@@ -143,7 +168,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
         jax.profiler.start_trace(os.path.join(workdir, "profile"))
         tracing = True
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        batch = _place(next(data_iter), batch_sharding)
+        batch = _place(next(data_iter), batch_sharding, t.global_batch_size)
         state, metrics = step_fn(state, batch)
       window_steps += 1
       if tracing and step + 1 == profile_window[1]:
@@ -153,6 +178,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
       done = step + 1
       if done % t.log_every == 0 or done == t.steps:
         last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        expert_parallel.check_dropped(last)
         dt = time.perf_counter() - window_t0
         last["tokens_per_sec"] = window_steps * tokens_per_step / dt
         last["mfu"] = last["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
@@ -168,8 +194,9 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
           with open(metrics_path, "a") as f:
             f.write(json.dumps(last) + "\n")
       bar.update(1)
-      ckpt.save(done, state, data_iter, force=done == t.steps or ckpt.should_stop())
-      if ckpt.should_stop():
+      stop = ckpt.stop_after(done)
+      ckpt.save(done, state, data_iter, force=done == t.steps or stop)
+      if stop:
         say(f"SIGTERM: saved step {done}; run the same command to resume")
         break
   finally:

@@ -11,9 +11,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import context_parallel
 from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import attention as attention_op
+
+
+def expand_latent(lat: jax.Array, w_kv: jax.Array, kr: int, dn: int
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Per-head keys and values from latents: lat [B, S, kr + dr], w_kv [kr, H, dn + dv] ->
+  (k [B, S, H, dn + dr] = [k_nope | k_rope (unrotated, NoPE)], v [B, S, H, dv])."""
+  kv = jnp.einsum("btr,rhk->bthk", lat[..., :kr], w_kv)
+  k_rope = jnp.broadcast_to(lat[:, :, None, kr:], kv.shape[:3] + (lat.shape[-1] - kr,))
+  return jnp.concatenate([kv[..., :dn], k_rope], axis=-1), kv[..., dn:]
 
 
 class GatedMLA(nnx.Module):
@@ -68,18 +78,24 @@ class GatedMLA(nnx.Module):
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array, positions: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
-    """x [B, T, d] -> (y [B, T, d], per-head max logit [H]); K/V expanded per head."""
+    """x [B, T, d] -> (y [B, T, d], per-head max logit [H]); K/V expanded per head.
+
+    Under a mesh with a `context` axis of size > 1 (report §5.2) the latents are all-gathered
+    over it and each rank attends for its own queries (`context_parallel.mla_attention`)."""
     x = x.astype(self.dtype)
     q = self._query(x)
     lat = self.latent(x)
-    kv = jnp.einsum("btr,rhk->bthk", lat[..., :self.kr],
-                    self.kv_b_proj["kernel"][...].astype(self.dtype))
-    k_rope = jnp.broadcast_to(lat[:, :, None, self.kr:], kv.shape[:3] + (self.dr,))
-    k = jnp.concatenate([kv[..., :self.dn], k_rope], axis=-1)
+    w_kv = self.kv_b_proj["kernel"][...].astype(self.dtype)
     del positions  # within a document positions follow the token order: causal by index
-    o, max_logit = attention_op.attention(
-        q, k, kv[..., self.dn:], segment_ids=segment_ids, causal=True, scale=self.scale,
-        return_max_logit=True, impl=self.attention_impl)
+    if context_parallel.context_size() > 1:
+      o, max_logit = context_parallel.mla_attention(
+          q, lat, w_kv, segment_ids, expand=lambda l, w: expand_latent(l, w, self.kr, self.dn),
+          scale=self.scale, impl=self.attention_impl)
+    else:
+      k, v = expand_latent(lat, w_kv, self.kr, self.dn)
+      o, max_logit = attention_op.attention(
+          q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale,
+          return_max_logit=True, impl=self.attention_impl)
     return self._output(x, o), max_logit
 
   def decode(self, x: jax.Array, cache: jax.Array, cache_mask: jax.Array

@@ -21,7 +21,7 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from k3jax import attn_res, params
+from k3jax import attn_res, params, sharding
 from k3jax import mtp as mtp_lib
 from k3jax import config as config_lib
 from k3jax.kda import KDA
@@ -157,8 +157,9 @@ class DecoderLayer(nnx.Module):
           norm_topk_prob=e.norm_topk_prob, beta1=cfg.situ_beta1, beta2=cfg.situ_beta2,
           rms_norm_eps=eps, qb_num_bins=e.qb_num_bins,
           qb_keep_scores=e.balancing == "quantile_exact", ragged_dot=_ragged_dot(gmm_impl),
-          gate_up_impl=gate_up_impl, gate_up_train=gate_up_train, rngs=rngs, dtype=dt,
-          param_dtype=pdt)
+          gate_up_impl=gate_up_impl, gate_up_train=gate_up_train,
+          expert_parallel=e.expert_parallel, ep_capacity_factor=e.ep_capacity_factor,
+          ep_all_to_all=e.ep_all_to_all, rngs=rngs, dtype=dt, param_dtype=pdt)
     else:
       self.mlp = SiTUGLU(d, cfg.dense_intermediate_size, beta1=cfg.situ_beta1,
                          beta2=cfg.situ_beta2, rngs=rngs, dtype=dt, param_dtype=pdt)
@@ -272,6 +273,31 @@ def _stack(trees: list) -> Any:
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
+def run_units(graphdefs: list, states: list, first: jax.Array, carry, segment_ids, positions,
+              block_size: int, remat_name: str, caches: list | None = None):
+  """`lax.scan` of the unit body over a run of U' units, rematerialised as `model.remat` says.
+
+  graphdefs[j], states[j]: position j's graphdef and its states stacked over the units [U', ...]
+  (a tuple, merged by `nnx.merge(graphdefs[j], *states[j])`); first [U'] int32: each unit's
+  first layer; caches: per position, stacked over the units, or None. Returns (carry,
+  (aux, caches)), both per position stacked [U', ...].
+  """
+  def unit(carry, xs):
+    states, first, caches = xs
+    auxs, new_caches = [], []
+    for j, (graphdef, state) in enumerate(zip(graphdefs, states)):
+      carry, aux, cache = _layer_step(nnx.merge(graphdef, *sharding.fsdp_gather(state)),
+                                      first + j, carry, segment_ids, positions, block_size,
+                                      None if caches is None else caches[j])
+      auxs.append(aux)
+      new_caches.append(cache)
+    return carry, (auxs, new_caches)
+
+  if remat_name != "none":
+    unit = jax.checkpoint(unit, policy=REMAT_POLICIES[remat_name], prevent_cse=False)
+  return jax.lax.scan(unit, carry, (states, first, caches))
+
+
 class K3ForCausalLM(nnx.Module):
   """The K3 language model; attribute names follow HF `language_model.model.*`."""
 
@@ -351,71 +377,68 @@ class K3ForCausalLM(nnx.Module):
 
   def _scanned(self, x, segment_ids, positions, cache):
     """The irregular layers unrolled around one `lax.scan` over the units of `self.plan`."""
-    plan, bs, n_layers = self.plan, self.block_size, len(self.layers)
+    plan, n_layers = self.plan, len(self.layers)
     outside = [i for i in range(n_layers) if not plan.scanned(i)]
     layer_caches = dict(zip(outside, cache["layers"])) if cache is not None else {}
-    if bs:
-      n_blocks = (n_layers - 1) // bs + 1
-      carry = (jnp.zeros((n_blocks,) + x.shape, x.dtype), jnp.zeros((), jnp.int32), x)
-    else:
-      carry = x
-    step = remat(_layer_step, self.remat, static_argnums=(5,))
-    aux, new_caches = {}, []
-
-    def run(indices, carry):
-      for i in indices:
-        carry, aux[i], lc = step(self.layers[i], jnp.int32(i), carry, segment_ids, positions,
-                                 bs, layer_caches.get(i))
-        new_caches.append(lc)
-      return carry
-
-    carry = run(range(plan.start), carry)
+    carry, aux, new_caches = self.run_layers(range(plan.start), self.initial_carry(x),
+                                             segment_ids, positions, layer_caches)
     carry, unit_aux, units = self._scan_units(carry, segment_ids, positions,
                                               None if cache is None else cache["units"])
-    aux.update(unit_aux)
-    carry = run(range(plan.stop, n_layers), carry)
-    if bs:
-      with jax.named_scope("attn_res"):
-        x = attn_res.mix_masked(*carry, self.output_attn_res_norm, self.output_attn_res_proj,
-                                self.cfg.rms_norm_eps)
-    else:
-      x = carry
-    return x, dict(sorted(aux.items())), new_caches, units
+    carry, tail_aux, tail_caches = self.run_layers(range(plan.stop, n_layers), carry,
+                                                   segment_ids, positions, layer_caches)
+    aux = dict(sorted({**aux, **unit_aux, **tail_aux}.items()))
+    return self.output_hidden(carry), aux, new_caches + tail_caches, units
 
-  def _unit_states(self) -> tuple[list, list]:
-    """(graphdef, state stacked over units [U, ...]) of each position j of the unit."""
+  def initial_carry(self, x: jax.Array):
+    """The scanned decoder's carry at the embedding x [B, T, d]: x, or Block AttnRes's
+    (empty block buffer [n_blocks, B, T, d], count 0, partial sum x)."""
+    if not self.block_size:
+      return x
+    n_blocks = (len(self.layers) - 1) // self.block_size + 1
+    return jnp.zeros((n_blocks,) + x.shape, x.dtype), jnp.zeros((), jnp.int32), x
+
+  def output_hidden(self, carry) -> jax.Array:
+    """The decoder's output [B, T, d] before the final norm: x, or the output AttnRes mix."""
+    if not self.block_size:
+      return carry
+    with jax.named_scope("attn_res"):
+      return attn_res.mix_masked(*carry, self.output_attn_res_norm, self.output_attn_res_proj,
+                                 self.cfg.rms_norm_eps)
+
+  def run_layers(self, indices, carry, segment_ids, positions, caches: dict | None = None):
+    """Layers `indices` (outside the scan) one after another on the carry, rematerialised as
+    `model.remat` says. Returns (carry, aux per layer index, their caches in order)."""
+    step = remat(_layer_step, self.remat, static_argnums=(5,))
+    aux, new_caches = {}, []
+    for i in indices:
+      carry, aux[i], lc = step(self.layers[i], jnp.int32(i), carry, segment_ids, positions,
+                               self.block_size, (caches or {}).get(i))
+      new_caches.append(lc)
+    return carry, aux, new_caches
+
+  def unit_states(self, *filters) -> tuple[list, list]:
+    """(graphdef, states stacked over units [U, ...]) of each position j of the unit: one state
+    per `nnx.split` filter (the whole state without filters), as a tuple."""
     plan, graphdefs, states = self.plan, [], []
     for j in range(plan.period):
-      splits = [nnx.split(self.layers[plan.layer(u, j)]) for u in range(plan.units)]
-      for u, (graphdef, _) in enumerate(splits):
+      splits = [nnx.split(self.layers[plan.layer(u, j)], *filters) for u in range(plan.units)]
+      for u, (graphdef, *_) in enumerate(splits):
         if graphdef != splits[0][0]:
           raise ValueError(f"layers {plan.layer(0, j)} and {plan.layer(u, j)} share a position "
                            "in the scanned unit but differ in structure")
       graphdefs.append(splits[0][0])
-      states.append(_stack([state for _, state in splits]))
+      states.append(tuple(_stack([split[k] for split in splits])
+                          for k in range(1, len(splits[0]))))
     return graphdefs, states
 
   def _scan_units(self, carry, segment_ids, positions, caches: list | None):
     """`lax.scan` of the unit body over the stacked layer states (and caches), rematerialised
     as `model.remat` says. Returns (carry, aux per layer index, caches stacked per position)."""
-    plan, bs = self.plan, self.block_size
-    graphdefs, states = self._unit_states()
-
-    def unit(carry, xs):
-      states, first, caches = xs
-      auxs, new_caches = [], []
-      for j, (graphdef, state) in enumerate(zip(graphdefs, states)):
-        carry, aux, cache = _layer_step(nnx.merge(graphdef, state), first + j, carry,
-                                        segment_ids, positions, bs,
-                                        None if caches is None else caches[j])
-        auxs.append(aux)
-        new_caches.append(cache)
-      return carry, (auxs, new_caches)
-
-    if self.remat != "none":
-      unit = jax.checkpoint(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+    plan = self.plan
+    graphdefs, states = self.unit_states()
     first = plan.start + plan.period * jnp.arange(plan.units, dtype=jnp.int32)
-    carry, (auxs, new_caches) = jax.lax.scan(unit, carry, (states, first, caches))
+    carry, (auxs, new_caches) = run_units(graphdefs, states, first, carry, segment_ids,
+                                          positions, self.block_size, self.remat, caches)
     aux = {plan.layer(u, j): jax.tree.map(lambda a, u=u: a[u], auxs[j])
            for u in range(plan.units) for j in range(plan.period)}
     return carry, aux, new_caches

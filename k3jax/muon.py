@@ -35,18 +35,20 @@ sharded like the params. Inside NS the batch axes (heads, experts) move to
 the front and are batched:
 - a head or expert axis sharded over a mesh axis: each device orthogonalises its
   own heads/experts; the Frobenius norm and the X X^T products are per block, so
-  the compiled update has no collective (tested on 4 host devices).
+  the compiled update has no collective, also with the leaves of many layers
+  stacked into one group (tested on 4 host devices, tests/test_fsdp.py).
 - a reduction or output axis of the block sharded (FSDP on d, or H sharded when
   heads are merged into a block: `mode="whole"`, o_proj [H, D, d], gates): the
   norm and X X^T contract over the sharded axis, so XLA (Auto mesh axes, as in
-  `k3jax.sharding.make_mesh`) inserts all-reduces in every NS step. With
+  `k3jax.sharding.make_mesh`) inserts collectives in every NS step (on CPU:
+  all-reduces of X X^T for some groups, all-gathers of the stacked group for
+  most); the result equals the unsharded update (tests/test_fsdp.py). With
   Explicit mesh axes the same matmul is a ShardingTypeError: reshard the block
   first.
 Hence shard Q/K/V [d, H, D] over H and experts over E; a mesh axis that splits
 the reduction or output dim costs collectives in NS for every matrix it splits.
 """
 import dataclasses
-import itertools
 import math
 import re
 from typing import Any, Callable, NamedTuple
@@ -280,18 +282,18 @@ def _block_layout(shape: tuple[int, ...], dims: DimNums
 
 def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int,
                   eps: float = 1e-8, dtype: Any = jnp.float32) -> jax.Array:
-  """NS5 of a batch of blocks x [N, m, n], m <= n: X <- aX + (b XX^T + c (XX^T)^2) X.
+  """NS5 of a batch of blocks x [..., m, n], m <= n: X <- aX + (b XX^T + c (XX^T)^2) X.
 
   Each block is first divided by its Frobenius norm (in fp32), then iterated in `dtype`
   (Muon, Jordan 2024, runs bf16; fp32 reproduces `optax.contrib.muon`). Returns fp32.
   """
   x = x.astype(jnp.float32)
-  x = x / (jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True)) + eps)
+  x = x / (jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True)) + eps)
   x = x.astype(dtype)
   c0, c1, c2 = (jnp.asarray(c, dtype) for c in coeffs)
   for _ in range(steps):
-    a = jnp.einsum("bij,bkj->bik", x, x)
-    x = c0 * x + jnp.einsum("bij,bjk->bik", c1 * a + c2 * (a @ a), x)
+    a = jnp.einsum("...ij,...kj->...ik", x, x)
+    x = c0 * x + jnp.einsum("...ij,...jk->...ik", c1 * a + c2 * (a @ a), x)
   return x.astype(jnp.float32)
 
 
@@ -299,12 +301,13 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
                   steps: int, eps: float = 1e-8, dtype: Any = jnp.float32) -> Any:
   """NS5 of every Muon leaf of `tree` per its block axes ([TR] §2.5), blocks grouped.
 
-  Leaves are reshaped to [b, A, B] blocks (transposed to A <= B), and the blocks of one
-  treatment and one [A, B] are concatenated into one batched iteration: K3 has hundreds of
-  equal matrices, and one batched matmul per NS product keeps the GPU busy where a matmul per
-  leaf would not. Grouping by treatment keeps leaves sharded alike (experts over `expert`,
-  heads over their axis) together. `treatments` is a pytree like `tree` of `Treatment`;
-  leaves with `dims=None` pass through.
+  Leaves are reshaped to [b, A, B] blocks (transposed to A <= B), and the leaves of one
+  treatment and one [b, A, B] are stacked [L, b, A, B] into one batched iteration: K3 has
+  hundreds of equal matrices, and one batched matmul per NS product keeps the GPU busy where a
+  matmul per leaf would not. Grouping by treatment keeps leaves sharded alike (experts over
+  `expert`, heads over their axis) together, and stacking on a new axis (not concatenating on
+  the head or expert axis) keeps each device's heads or experts on it: no collective. `treatments`
+  is a pytree like `tree` of `Treatment`; leaves with `dims=None` pass through.
   """
   leaves, treedef = jax.tree.flatten(tree)
   ts = treedef.flatten_up_to(treatments)
@@ -318,14 +321,11 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
     if flip:
       blocks = blocks.transpose(0, 2, 1)
     layouts[i] = (perm, blocks)
-    groups.setdefault((t.treatment,) + blocks.shape[1:], []).append(i)
+    groups.setdefault((t.treatment,) + blocks.shape, []).append(i)
   out = list(leaves)
   for members in groups.values():
-    blocks = [layouts[i][1] for i in members]
-    sizes = [blk.shape[0] for blk in blocks]
-    done = newton_schulz(jnp.concatenate(blocks) if len(blocks) > 1 else blocks[0],
-                         coeffs, steps, eps, dtype)
-    for i, part in zip(members, jnp.split(done, list(itertools.accumulate(sizes))[:-1])):
+    done = newton_schulz(jnp.stack([layouts[i][1] for i in members]), coeffs, steps, eps, dtype)
+    for i, part in zip(members, done):
       perm, _ = layouts[i]
       x = leaves[i]
       _, (b, a, c), flip = _block_layout(tuple(x.shape), ts[i].dims)

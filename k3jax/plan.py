@@ -9,7 +9,8 @@ parameter, Muon one momentum per Muon-treated parameter and two moments for the 
 
 Sharding follows training (`k3jax.train.state_shardings`): each parameter's logical axis names
 (`nnx.Param` metadata `out_sharding`) map to mesh axes by `mesh.logical_axis_rules`; a dim mapped
-to mesh axes is split by the product of their sizes, other dims are replicated, and an
+to mesh axes is split by the product of their sizes (FSDP: a dim that `data` does not divide stays
+whole on it, `k3jax.sharding.param_spec`), other dims are replicated, and an
 optimizer leaf is sharded like the parameter whose path is its longest suffix with equal shape.
 Decoder layers are a Python list, not a stacked array, so no parameter carries the `layers`
 axis; when the rules map `layers` to mesh axes of size > 1, the plan also reports the largest

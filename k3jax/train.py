@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax import latent_moe, losses, mtp, muon, quantile_balancing, sharding
+from k3jax import latent_moe, losses, mtp, muon, pipeline, quantile_balancing, sharding
 from k3jax.model import K3ForCausalLM
 
 TrainState = dict[str, Any]
@@ -77,18 +77,26 @@ def loss_fn(params, buffers, graphdef, batch: dict[str, jax.Array]):
   """
   model = nnx.merge(graphdef, params, buffers)
   h, aux, _ = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"])
+  loss, lm_loss, mtp_aux = head_loss(model, h, batch)
+  if mtp_aux is not None:
+    aux[model.cfg.num_layers] = mtp_aux
+  return loss, (aux, lm_loss)
+
+
+def head_loss(model: K3ForCausalLM, h: jax.Array, batch: dict[str, jax.Array]):
+  """`loss_fn` from the final normed hidden h [B, T, d] on: (loss, next-token CE, the MTP
+  layer's aux with its "mtp_loss", or None without MTP)."""
   head = model.lm_head["kernel"][...].astype(model.dtype)
   with jax.named_scope("lm_loss"):
     lm_loss, _ = losses.lm_head_cross_entropy(h, head, batch["targets"], batch["loss_mask"])
-  loss, cfg = lm_loss, model.cfg
-  if cfg.mtp_num_layers:
-    h2, mtp_aux = model.mtp(h, model.embed(batch["targets"]), batch["segment_ids"],
-                            batch["positions"])
-    targets2, mask2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
-    mtp_aux["mtp_loss"], _ = mtp.mtp_head_loss(h2, head, targets2, mask2)
-    aux[cfg.num_layers] = mtp_aux
-    loss = loss + cfg.mtp_loss_weight * mtp_aux["mtp_loss"]
-  return loss, (aux, lm_loss)
+  cfg = model.cfg
+  if not cfg.mtp_num_layers:
+    return lm_loss, lm_loss, None
+  h2, mtp_aux = model.mtp(h, model.embed(batch["targets"]), batch["segment_ids"],
+                          batch["positions"])
+  targets2, mask2 = mtp.shift_targets(batch["targets"], batch["segment_ids"], batch["loss_mask"])
+  mtp_aux["mtp_loss"], _ = mtp.mtp_head_loss(h2, head, targets2, mask2)
+  return lm_loss + cfg.mtp_loss_weight * mtp_aux["mtp_loss"], lm_loss, mtp_aux
 
 
 def _moe_layers(aux: dict[int, dict]) -> dict[int, dict]:
@@ -109,11 +117,15 @@ def update_moe_biases(buffers, aux, model_cfg: ml_collections.ConfigDict):
 
 
 def moe_metrics(aux) -> dict[str, jax.Array]:
-  """Expert-load statistics per MoE layer (max/mean, min/mean, coefficient of variation)."""
+  """Expert-load statistics per MoE layer (max/mean, min/mean, coefficient of variation), and
+  under expert parallelism the token copies dropped past the receive buffers (all layers)."""
   out = {}
   for i, moe_aux in _moe_layers(aux).items():
     for name, value in quantile_balancing.load_stats(moe_aux["loads"]).items():
       out[f"moe/layer{i}/{name}"] = value
+  dropped = [a["ep_dropped"] for a in _moe_layers(aux).values() if "ep_dropped" in a]
+  if dropped:
+    out["moe/ep_dropped_copies"] = sum(dropped)
   if out:
     for name in ("max_over_mean", "min_over_mean", "cv"):
       vals = [v for k, v in out.items() if k.endswith("/" + name)]
@@ -139,8 +151,13 @@ def accumulated_grads(params, buffers, graphdef, batch: dict[str, jax.Array], st
 
   Returns ((loss, (aux, lm_loss)), grads) like `jax.value_and_grad(loss_fn, has_aux=True)`.
   The MoE statistics of all micro-batches are merged before the bias update (the histogram
-  counts add, report App. D), so the update equals the one of the whole batch.
+  counts add, report App. D), so the update equals the one of the whole batch. Traced under a
+  mesh whose `pipeline` axis is > 1 (`jax.set_mesh`), the micro-batches run through the 1F1B
+  pipeline over the stages (`k3jax.pipeline`).
   """
+  if pipeline.num_stages() > 1:
+    return pipeline.accumulated_grads(params, buffers, graphdef, batch, steps,
+                                      head_loss=head_loss, merge_layer_aux=_merge_layer_aux)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if steps == 1:
     return grad_fn(params, buffers, graphdef, batch)
@@ -161,14 +178,18 @@ def accumulated_grads(params, buffers, graphdef, batch: dict[str, jax.Array], st
 
 
 def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """The jittable step: forward, backward, optimizer, QK-Clip, MoE bias update."""
+  """The jittable step: forward, backward, optimizer, QK-Clip, MoE bias update.
+
+  Jit it under `jax.set_mesh(mesh)` for a mesh with `data` > 1: the scanned layers' parameters
+  are then gathered per unit (FSDP, `k3jax.sharding.fsdp_gather`)."""
   cfg = setup.cfg
   schedule = make_schedule(cfg.train)
   clip = cfg.train.optimizer != "adamw" and cfg.train.qk_clip_tau > 0
 
   def step(state: TrainState, batch: dict[str, jax.Array]):
-    (loss, (aux, lm_loss)), grads = accumulated_grads(
-        state["params"], state["buffers"], setup.graphdef, batch, cfg.train.grad_accum_steps)
+    with sharding.logical_axis_rules(cfg.mesh.logical_axis_rules):  # for sharding.fsdp_gather
+      (loss, (aux, lm_loss)), grads = accumulated_grads(
+          state["params"], state["buffers"], setup.graphdef, batch, cfg.train.grad_accum_steps)
     with jax.named_scope("optimizer"):
       updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
       params = optax.apply_updates(state["params"], updates)
@@ -208,6 +229,7 @@ def compiler_options(cfg: ml_collections.ConfigDict) -> dict[str, bool]:
 def state_shardings(setup: Setup, state: TrainState, mesh, rules) -> TrainState:
   """NamedShardings for the whole train state from the parameters' logical axis names."""
   p_sh = sharding.tree_shardings(state["params"], setup.logical_names["params"], mesh, rules)
+  p_sh = pipeline.param_shardings(p_sh, state["params"], setup.cfg.model, mesh)
   b_sh = sharding.tree_shardings(state["buffers"], setup.logical_names["buffers"], mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
   return {"step": replicated, "params": p_sh, "buffers": b_sh,

@@ -16,7 +16,14 @@ from k3jax import config as config_lib
 
 EXIT_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped early, run the same command to resume
-HANDLED = (config_lib.ConfigError, data.DataError, checkpoint.CheckpointError, FileNotFoundError)
+
+
+class FlagError(ValueError):
+  """A flag value that cannot serve; the message starts with the flag's name."""
+
+
+HANDLED = (config_lib.ConfigError, data.DataError, checkpoint.CheckpointError, FileNotFoundError,
+           FlagError)
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show tracebacks and library logs (INFO) instead "
                              "of short error messages.")

@@ -159,6 +159,20 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
 
 
+def test_empty_buffers_restore(tmp_path):
+  """A state whose `buffers` is empty (a model without MoE layers) restores: the shape check
+  names the leaves of `params` only."""
+  state = {**_state(2), "buffers": {}}
+  ckpt = checkpoint.Checkpointer(str(tmp_path), every_n_steps=1, max_to_keep=1)
+  ckpt.save(2, state, _iterator())
+  ckpt.close()
+  fresh = checkpoint.Checkpointer(str(tmp_path), every_n_steps=1, max_to_keep=1)
+  step, restored = fresh.restore_latest(_abstract(state), _iterator())
+  fresh.close()
+  assert step == 2
+  _assert_tree_equal(restored, state)
+
+
 def test_truncated_file_reason_names_the_cause_in_a_few_lines(tmp_path, caplog):
   _save_steps(tmp_path, [1, 2])
   _truncate_arrays(str(tmp_path / "checkpoints" / "2"))

@@ -59,14 +59,22 @@ def test_k3_full_bytes_per_device(k3_full):
   cfg, plan, text = k3_full
   v = _ints(text)
   e = cfg.model.moe
-  routed = 92 * e.num_experts * 3 * e.latent_size * e.moe_intermediate_size * 4 // 64
+  # `exp` over expert (64), and FSDP: `latent` over data (8).
+  routed = 92 * e.num_experts * 3 * e.latent_size * e.moe_intermediate_size * 4 // (64 * 8)
   assert plan.groups["routed_experts"].params == routed
   assert plan.groups["routed_experts"].optimizer == 2 * routed  # AdamW: mu and nu, fp32
-  # Only `exp` is mapped by the default rules: every other parameter is whole on each device.
-  mtp_experts = e.num_experts * 3 * e.latent_size * e.moe_intermediate_size
-  whole = v["total_params"] + v["mtp_params"] - 92 * e.num_experts * 3 * e.latent_size * (
-      e.moe_intermediate_size) - mtp_experts
-  assert v["param_bytes_per_device"] == 4 * whole + routed + mtp_experts * 4 // 64
+  m = cfg.model
+  assert plan.groups["embedding"].params == 2 * m.vocab_size * m.hidden_size * 4 // 8
+  # The base rules' FSDP names split a parameter over data; the rest (norm gains, A_log,
+  # dt_bias, conv filters, AttnRes queries) are whole on each device.
+  params, names = plan_lib.abstract_params(cfg.model)
+  leaves = list(zip(jax.tree.leaves(params),
+                    jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple))))
+  fsdp = {"embed", "latent", "q_lora", "kv_lora", "kv"}
+  want = sum(4 * math.prod(x.shape) // (8 if fsdp & set(n) else 1) // (64 if "exp" in n else 1)
+             for x, n in leaves)
+  assert v["param_bytes_per_device"] == want
+  assert sum(math.prod(x.shape) for x, n in leaves if not fsdp & set(n)) < 1e-3 * v["total_params"]
   assert 0 <= v["optimizer_bytes_per_device"] - 2 * v["param_bytes_per_device"] < 64  # + counters
   staged = v["staged_param_bytes_per_device"]
   assert v["param_bytes_per_device"] / 16 < staged < v["param_bytes_per_device"] / 5
@@ -137,3 +145,15 @@ def test_command_line():
   assert lines[:2] == [f"total_params: {counts.total}", f"active_params: {counts.active}"]
   assert "mesh: pipeline=2 data=2 expert=2 context=1 (8 devices)" in out
   assert "staged_state_bytes_per_device" in out and "muon_whole (whole)" in out
+
+
+def test_devices_flag_sets_the_data_axis():
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "launch.plan", f"--config={CONFIGS}/k3_tiny.py", *args],
+      capture_output=True, text=True)
+  out = run("--devices=8", "--expert=2")
+  assert out.returncode == 0, out.stderr
+  assert "mesh: pipeline=1 data=4 expert=2 context=1 (8 devices)" in out.stdout
+  bad = run("--devices=8", "--expert=3")
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr
+  assert "--devices=8: the mesh --data=-1 (all devices) --expert=3" in bad.stderr

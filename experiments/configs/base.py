@@ -60,6 +60,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   e.balancing = "quantile"  # quantile | quantile_exact | sign | none
   e.qb_num_bins = 1000
   e.bias_update_rate = 1e-3  # sign update only
+  # Expert parallelism (k3jax.expert_parallel) under a mesh with mesh.expert > 1: auto | off
+  e.expert_parallel = "auto"
+  # Receive-buffer rows per device = factor * tokens per device * top-k (rounded up to 8);
+  # copies past it are dropped and reported (moe/ep_dropped_copies; the loop stops)
+  e.ep_capacity_factor = 2.0
+  e.ep_all_to_all = "auto"  # auto (ragged on GPU/TPU, padded on CPU) | ragged | padded
 
   kn = c.kernels = ml_collections.ConfigDict()
   kn.kda_impl = ""  # "": best available for the platform
@@ -101,11 +107,19 @@ def get_base_config() -> ml_collections.ConfigDict:
   ms.pipeline = 1
   ms.expert = 1
   ms.context = 1
-  # logical axis -> mesh axes; a logical name not listed is replicated.
+  # logical axis -> mesh axes; a logical name not listed is replicated. A parameter's dims take
+  # their mesh axes in order, each mesh axis once. FSDP (ZeRO-3): the names mapped to `data`
+  # give every matrix one dim split over `data` (d, the MoE latent, the MLA ranks, or a
+  # head dim); a dim `data` does not divide stays whole (k3jax.sharding.param_spec).
   ms.logical_axis_rules = (
       ("activation_batch", ("data", "expert")),
       ("activation_length", ("context",)),
       ("exp", ("expert",)),
       ("layers", ("pipeline",)),
+      ("embed", ("data",)),
+      ("latent", ("data",)),
+      ("q_lora", ("data",)),
+      ("kv_lora", ("data",)),
+      ("kv", ("data",)),
   )
   return c

@@ -6,9 +6,9 @@ keeping the online softmax's running row max m, sum l and output accumulator in 
 [T, S] array is live: at most [B, H, block_q, block_k]. The running max of the visible logits
 is the exact row max, so the per-head max logit (QK-Clip, report §2.5) comes with the output.
 A custom VJP recomputes the scores blockwise from (q, k, v, o, logsumexp): dq by query blocks,
-dk and dv by key blocks. Lengths are padded to whole blocks with segment id 0 (masked). `q_offset` (an int32 scalar,
-traced or not) puts query i at causal position q_offset + i: a context-parallel rank's queries
-against the gathered keys (report §5.2).
+dk and dv by key blocks. Lengths are padded to whole blocks with segment id 0 (masked).
+`q_offset` (an int32 scalar, traced or not) puts query i at causal position q_offset + i: a
+context-parallel rank's queries against the gathered keys (report §5.2).
 Matmuls take the inputs' dtype with fp32 accumulation (p and dS are cast to it, as in flash
 kernels); softmax statistics stay fp32. `max_logit` is the scores-and-max pass alone.
 """
