@@ -1,10 +1,6 @@
 """Context parallelism (report §5.2): KDA and MLA split over the `context` mesh axis equal the
 single-device layers; the slice transitions and their combine equal the fp64 recurrence."""
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +8,11 @@ import numpy as np
 import pytest
 
 from k3jax import context_parallel
+from mesh_testing import run_on_devices
 from pallas_kernels import attention as attention_op
 from pallas_kernels.attention import reference as attention_reference
 from pallas_kernels.attention import xla_blockwise
 from pallas_kernels.kda import reference
-
-_ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
 
 # Documents straddling the rank boundaries of T = 32 over 4 ranks (slices of 8 tokens): row 0
 # has a 2-token document (6, 7) that ends on a boundary and one (8..20) over ranks 1 and 2; row 1
@@ -120,10 +115,7 @@ print("RESULT" + json.dumps(out))
 
 
 def _run(script: str) -> dict:
-  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=600, env=_ENV)
-  assert res.returncode == 0, res.stderr[-3000:]
-  return json.loads(res.stdout.split("RESULT", 1)[1])
+  return run_on_devices(script)
 
 
 def test_layers_on_context_meshes_match_single_device():

@@ -5,10 +5,6 @@ updates), a loop over experts with the copies past the receive buffer dropped by
 replay of the buffer order, `jax.lax.ragged_all_to_all`'s documented example, and
 `latent_moe.sort_by_expert`.
 """
-import json
-import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +12,7 @@ import pytest
 
 from k3jax import config, expert_parallel
 from k3jax import latent_moe as lm
-
-_ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-            JAX_PLATFORMS="cpu")
+from mesh_testing import run_on_devices
 
 _LAYER_SCRIPT = r"""
 import json
@@ -194,10 +188,7 @@ print("RESULT" + json.dumps(out))
 
 
 def _run(script: str) -> dict:
-  res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=600, env=_ENV)
-  assert res.returncode == 0, res.stderr[-3000:]
-  return json.loads(res.stdout.split("RESULT", 1)[1])
+  return run_on_devices(script)
 
 
 @pytest.fixture(scope="module")
