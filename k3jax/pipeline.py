@@ -31,6 +31,7 @@ S - 1 ticks skip the backward slot and the last S - 1 the forward slot (a condit
 taken alike by every device), so the time is (M + S - 1)(F + B): bubble (S - 1)/(M + S - 1).
 The backward is written out: `jax.vjp` of the stage's units per micro-batch in the forward
 slot, its residuals kept in a buffer of 2S - 1 slots (the stage's parameters once, not per
+slot; with `model.remat` = "none" also what the units derive from them, e.g. [W1 | W3], per
 slot) and its pullback called in the backward slot. Stage s holds the residuals of at most
 2(S - 1 - s) + 1 micro-batches (2S - 1 on stage 0, independent of M): in one SPMD program each
 hop between stages takes a whole tick, where an event-driven 1F1B holds S - s. Stage 0
@@ -40,7 +41,7 @@ from constants that are not marked as varying over `pipeline`).
 """
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -10,13 +10,14 @@ import pytest
 from k3jax import config, pipeline
 
 TINY = "experiments/configs/k3_tiny.py"
-# Layer 0 KDA + dense FFN (stage 0), layers 1-4 MLA + MoE scanned as 4 units of 1 (two per
-# stage), layer 5 KDA + MoE and the MTP layer (last stage); AttnRes blocks of 3 layers, so the
-# stage boundary at layer 3 is a block boundary. QK-Clip at tau 0.5 clips every MLA layer, so
-# the parameters depend on each layer's own max logit.
+# Layer 0 KDA + MoE (stage 0), layers 1-4 MLA + MoE scanned as 4 units of 1 (two per stage),
+# layer 5 KDA + MoE and the MTP layer (last stage); AttnRes blocks of 3 layers, so the stage
+# boundary at layer 3 is a block boundary. QK-Clip at tau 0.5 clips every MLA layer, so the
+# parameters depend on each layer's own max logit; every layer's MoE statistics set its bias.
 OVERRIDES = {
     "model.num_layers": 6, "model.full_attn_layers": (2, 3, 4, 5),
-    "model.attn_res_block_size": 3, "train.seq_len": 16, "train.global_batch_size": 16,
+    "model.first_k_dense_replace": 0, "model.attn_res_block_size": 3,
+    "train.seq_len": 16, "train.global_batch_size": 16,
     "train.grad_accum_steps": 4, "train.qk_clip_tau": 0.5, "mesh.pipeline": 2,
 }
 MESHES = {"pipeline2_data4": {"mesh.data": 4},
