@@ -29,7 +29,7 @@ def _mix(blocks: jax.Array, valid: jax.Array, partial: jax.Array, query: jax.Arr
   w = norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
   sb = jnp.where(valid[:, None, None], _scores(blocks, w, eps), -jnp.inf)  # [N, B, T]
   sp = _scores(partial, w, eps)  # [B, T]
-  m = jnp.maximum(sb.max(axis=0), sp)
+  m = jnp.maximum(jnp.max(sb, axis=0, initial=-jnp.inf), sp)
   eb, ep = jnp.exp(sb - m), jnp.exp(sp - m)
   z = eb.sum(axis=0) + ep
   out = jnp.sum((eb / z)[..., None] * blocks.astype(jnp.float32), axis=0)
