@@ -25,6 +25,9 @@
 #                                                          # phase and compiler event, device time by part
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
+#   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
+#     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
+#                                                          # XLA flag set, $OUT/train_flags_N.json
 #   REMATS="none save_dots" bash benchmarks/h200_baseline.sh train_remat
 #                                                          # <= 7 min per choice: the k3_small step
 #                                                          # per model.remat choice (REMATS, default
@@ -182,6 +185,19 @@ PY
       timeout ${ATTN_BENCH_S:-150} python3 -m benchmarks.attention --out=$OUT/attention_h200.json \
         --shapes=${ATTN_SHAPES:-2x8192x8,1x8192x32,1x8192x96} \
         --impls=${ATTN_IMPLS:-reference,xla_blockwise,cudnn,cudnn_own} 2>&1 | tee $OUT/attention.log
+      ;;
+    train_flags)
+      # The k3_small step once per XLA flag set (FLAGSETS: sets separated by '|', "" = none):
+      # compile by phase and step time, $OUT/train_flags_N.json.
+      IFS='|' read -ra sets <<< "${FLAGSETS:-}"
+      n=0
+      for flags in "${sets[@]}"; do
+        n=$((n + 1))
+        echo "== XLA_FLAGS=$flags"
+        XLA_FLAGS="$flags" timeout ${TRAIN_S:-400} python3 -m benchmarks.train_step \
+          --config=experiments/configs/k3_small.py --config.train.global_batch_size=2 \
+          ${TRAIN_ARGS:-} --out=$OUT/train_flags_$n.json 2>&1 | tee $OUT/train_flags_$n.log | tail -3
+      done
       ;;
     train_remat)
       for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
