@@ -273,7 +273,8 @@ def train_step(root: pathlib.Path) -> str:
     if "remat" not in r:
       return kernels
     gemm = "Triton" if r.get("xla_triton_gemm", True) else "cuBLAS"
-    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}"
+    flags = f"; {r['xla_flags']}" if r.get("xla_flags") else ""
+    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}{flags}"
 
   def compile_s(r):
     total = _num(r.get("compile_and_warmup_s"))
@@ -286,7 +287,7 @@ def train_step(root: pathlib.Path) -> str:
            f"{r['step_ms']:.1f}", f"{r['tokens_per_s'] / 1e3:.1f}k", _num(r["model_tflops"], 1),
            f"{r['mfu']:.1%}", compile_s(r), res.provenance(r)]
           for r in sorted(recs, key=lambda r: (r["B"], r["step_ms"]))]
-  header = ["config", "kda / ragged_dot / gate_up_train; remat; XLA GEMMs", "ms / step",
+  header = ["config", "kda / ragged_dot / gate_up_train; remat; XLA GEMMs; XLA_FLAGS", "ms / step",
             "tokens/s", "model TFLOP/s", "MFU",
             "compile + warm-up, s (trace + lower + XLA + 2 steps)", "recorded"]
   return (f"{_table(header, body, text_columns=2)}\n\n"

@@ -135,13 +135,14 @@ def main(argv):
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
              device=common.device_name(), date=common.today(), commit=common.code_commit(),
              versions=common.versions())
+  rec["profiled"] = bool(parts)
   if parts:
     rec["parts"] = parts
   if compile_parts:
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
-                        "xla_flags", "xla_triton_gemm", "device"))
+                        "xla_flags", "xla_triton_gemm", "profiled", "device"))
   print(rec)
 
 
