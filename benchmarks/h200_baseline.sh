@@ -25,6 +25,8 @@
 #                                                          # phase and compiler event, device time by part
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
+#   bash benchmarks/h200_baseline.sh mxfp4                 # ~8 min: MXFP4 matmul GPU tests, ours vs bf16
+#                                                          # XLA and the bf16 grouped GEMM (K3 shapes)
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
@@ -199,6 +201,14 @@ PY
           ${TRAIN_ARGS:-} --out=$OUT/train_flags_$n.json 2>&1 | tee $OUT/train_flags_$n.log | tail -3
       done
       ;;
+    mxfp4)
+      # The MXFP4 matmul kernel's GPU tests (two processes), then its timing at the K3 shapes.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout ${MXFP4_TEST_S:-240} \
+        python3 -m pytest -q -p no:cacheprovider -n 2 tests/pallas_kernels/test_mxfp4_matmul_gpu.py \
+        2>&1 | tee $OUT/mxfp4_tests.log | tail -4
+      timeout ${MXFP4_BENCH_S:-300} python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json 2>&1 \
+        | tee $OUT/mxfp4.log | grep -E "device|ms|ours|declined"
+      ;;
     train_remat)
       for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
         echo "== model.remat=$remat"
@@ -226,7 +236,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4,
         train_parts, train_trace)"; exit 2
       ;;
   esac

@@ -102,14 +102,22 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
         callees.setdefault(op, callee)
         callers.setdefault(callee, op)
 
+  memo: dict[str, str | None] = {}
+
   def resolve(op: str, depth: int = 0) -> str | None:
+    """Memoised (each op resolved once: the walk down to roots and up to callers branches);
+    an op on the current walk resolves to None, which breaks cycles."""
     if op in names or depth > 50:
       return names.get(op)
+    if op in memo:
+      return memo[op]
+    memo[op] = None
     root = roots.get(callees.get(op, ""))
     found = resolve(root, depth + 1) if root and root != op else None
     caller = callers.get(comp_of.get(op, ""))
     if found is None and caller is not None:
       found = resolve(caller, depth + 1)
+    memo[op] = found
     return found
 
   return {op: n for op in comp_of if (n := resolve(op)) is not None}

@@ -79,6 +79,25 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
+def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
+  out = tmp_path / "mxfp4.json"
+  run_module("benchmarks.mxfp4_matmul", "--toy", f"--out={out}")
+  recs = records(out)
+  rows = {(r["op"], r["shape"]["M"], r["implementation"]) for r in recs}
+  assert rows == {("mxfp4_matmul", m, impl) for m in (16, 72)
+                  for impl in ("mxfp4_mosaic_gpu", "mxfp4_reference", "bf16_xla")} | {
+                      ("mxfp4_ragged_dot", 16, impl)
+                      for impl in ("mxfp4_mosaic_gpu", "mxfp4_reference", "bf16_ragged_dot")}
+  for r in recs:
+    assert r["median_ms"] > 0 and r["commit"] and r["date"] and "jax" in r["versions"]
+    g, k, n = r["shape"]["G"], r["shape"]["K"], r["shape"]["N"]
+    bits = 16 if r["implementation"].startswith("bf16") else 4.25
+    assert r["weight_bytes"] == g * n * k * bits / 8
+  for r in recs:
+    if r["implementation"] == "mxfp4_mosaic_gpu":
+      assert r["tier"] == "mosaic_gpu" and "Config(" in r["note"], r
+      assert r["speedup_vs_bf16"] > 0 and r["rel_l2_vs_reference"] < 1e-2
+
 def costs_records(module: str, tmp_path) -> list[dict]:
   """The records of a *_costs diagnostic run at its toy shape in the interpreter."""
   out = tmp_path / "costs.json"
@@ -122,6 +141,32 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
   names = [p["name"] for p in rec["compile_parts"]]
   assert any("Compile" in n for n in names), names  # the XLA compiler's own events
   assert rec["mfu"] > 0 and rec["total_params"] >= rec["active_params"] > 0
+
+
+def test_compile_parts_counts_the_kernels_of_each_part(tmp_path):
+  out = tmp_path / "compile.json"
+  run_module("benchmarks.compile_parts", "--config=experiments/configs/k3_tiny.py",
+             "--config.train.global_batch_size=1", "--config.train.seq_len=32", f"--out={out}")
+  (rec,) = records(out)
+  parts = {p["part"]: p for p in rec["parts"]}
+  assert rec["kernels"] == sum(p["kernels"] for p in parts.values()) > 0
+  for part in ("KDA layers", "MLA attention", "optimizer: Muon (Newton-Schulz, momentum)"):
+    assert parts[part]["kernels"] > 0, part
+  assert parts["KDA layers"]["bwd"] > 0  # the backward is attributed too
+
+
+def test_kernel_counts_attributes_fusions_by_name_stack():
+  text = """HloModule jit_step
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %fusion.1 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%f1, metadata={op_name="jit(step)/kda/mul"}
+  %fusion.2 = f32[4]{0} fusion(f32[4]{0} %fusion.1), kind=kLoop, calls=%f2, metadata={op_name="jit(step)/transpose(jvp(kda))/mul"}
+  ROOT %add.3 = f32[4]{0} add(f32[4]{0} %fusion.2, f32[4]{0} %p), metadata={op_name="jit(step)/kda/add"}
+}
+"""
+  from benchmarks import compile_parts
+  assert compile_parts.kernel_counts(text) == {("KDA layers", "fwd"): 1, ("KDA layers", "bwd"): 1}
 
 
 def test_trace_parsing_sums_device_ops_only(tmp_path):

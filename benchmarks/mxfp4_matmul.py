@@ -1,0 +1,205 @@
+r"""MXFP4-weight matmul (`pallas_kernels.mxfp4_matmul`) against bf16 products of the same
+dequantized weights, at the K3 expert shapes.
+
+Shapes: (K, N) = (3584, 3072) (w1 / w3, [3072, 3584] in the checkpoint) and (3072, 3584) (w2) at
+M = 1, 16, 64, 4096 (`mxfp4_matmul`); and 8 experts grouped with equal groups of M / 8 rows at
+M = 16, 64, 4096 (2, 8 and 512 rows per expert, `mxfp4_ragged_dot`). bf16 x, bf16 output.
+Rows (implementation):
+- "mxfp4_mosaic_gpu": our kernel (the tier by name; a decline is recorded, not timed);
+- "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
+- "bf16_xla": `jnp.dot` with the dequantized bf16 weight (materialised beforehand), dense only;
+- "bf16_ragged_dot": our bf16 grouped GEMM `pallas_kernels.ragged_dot.ragged_dot` (its default
+  tier; `tier` says which ran), grouped only.
+Weights rotate through enough copies that every call reads them from HBM, not L2 (50 MB on the
+H200). Median wall ms of back-to-back calls (`common.time_jax`'s method). Each record has
+TFLOP/s (2 M K N) and its fraction of the spec peak (`k3jax.flops.peak_flops_per_device`), the
+weight bytes read per call (MXFP4: 4.25 bits a weight, packed + scales; bf16: 16) in TB/s and
+its fraction of a device-to-device copy measured in the same run (bytes read + written), and
+for our kernel the speedup over bf16 XLA (dense) or the bf16 grouped GEMM (grouped).
+
+  python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json
+`--toy` runs small shapes once each with our kernel in the Mosaic GPU interpreter (CPU tests).
+"""
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from benchmarks import common
+from k3jax import flops
+from k3jax import mx
+from pallas_kernels import mxfp4_matmul as op
+from pallas_kernels import ragged_dot as grouped_gemm
+from pallas_kernels.mxfp4_matmul import mosaic_gpu
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/mxfp4_h200.json", "Records (JSON list).")
+_TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel in the Mosaic "
+                         "GPU interpreter (CPU).")
+K3_KN = ((3584, 3072), (3072, 3584))
+DENSE_M = (1, 16, 64, 4096)
+GROUPED_M = (16, 64, 4096)
+EXPERTS = 8
+TOY_KN = ((512, 128),)
+TOY_DENSE_M = (16, 72)
+TOY_GROUPED_M = (16,)
+L2_BYTES = 50 * 2 ** 20          # H200
+KEY_FIELDS = ("op", "implementation", "shape", "device")
+
+
+def mxfp4_bytes(g: int, n: int, k: int) -> int:
+  """Packed nibbles plus one scale byte per 32 weights: 4.25 bits a weight."""
+  return g * n * (k // 2 + k // 32)
+
+
+def time_rotating(fn, x, weight_sets, reps: int, calls: int) -> float:
+  """Median ms per call of fn(x, *weights), the weights cycling through `weight_sets` so no
+  call finds them in L2; each repetition issues `calls` back-to-back calls (as common.time_jax)."""
+  for weights in weight_sets:
+    jax.block_until_ready(fn(x, *weights))
+  times, i = [], 0
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(x, *weight_sets[i % len(weight_sets)])
+      i += 1
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) * 1e3 / calls)
+  return statistics.median(times)
+
+
+def copy_tbps() -> float:
+  """Device-to-device copy of 1 GiB (bytes read + written per second), in TB/s."""
+  a = jnp.zeros(2 ** 30, jnp.uint8)
+  ms = common.time_jax(jax.jit(lambda v: v + 1), a, reps=10)
+  return 2 * 2 ** 30 / ms / 1e9
+
+
+@functools.lru_cache(maxsize=1)     # the M loop reuses one shape's copies
+def weight_copies(g: int, n: int, k: int, toy: bool):
+  """[(packed, scale, bf16 weight [G, N, K])]: one for toy runs, else enough copies that the
+  packed ones alone fill twice the L2."""
+  copies = 1 if toy else max(2, -(-2 * L2_BYTES // mxfp4_bytes(g, n, k)))
+  out = []
+  for c in range(copies):
+    w = 0.02 * jax.random.normal(jax.random.key(c), (g, n, k), jnp.float32)
+    packed, scale = mx.pack_k3(w)
+    out.append((packed, scale, mx.unpack_k3(packed, scale).astype(jnp.bfloat16)))
+  return out
+
+
+def implementations(grouped: bool, toy: bool) -> dict:
+  """name -> (fn(x, *weights), which weights: "mxfp4" (packed, scale) or "bf16")."""
+  if grouped:
+    def sizes(x):
+      return jnp.full((EXPERTS,), x.shape[0] // EXPERTS, jnp.int32)
+    return {
+        "mxfp4_mosaic_gpu": (lambda x, p, s: op.mxfp4_ragged_dot(
+            x, p, s, sizes(x), impl="mosaic_gpu", interpret=toy), "mxfp4"),
+        "mxfp4_reference": (lambda x, p, s: op.mxfp4_ragged_dot(
+            x, p, s, sizes(x), impl="reference"), "mxfp4"),
+        "bf16_ragged_dot": (lambda x, w_t: grouped_gemm.ragged_dot(x, w_t, sizes(x)), "bf16"),
+    }
+  return {
+      "mxfp4_mosaic_gpu": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="mosaic_gpu",
+                                                           interpret=toy), "mxfp4"),
+      "mxfp4_reference": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="reference"), "mxfp4"),
+      "bf16_xla": (lambda x, w: jnp.dot(x, w.T), "bf16"),
+  }
+
+
+def tier(name: str, x, packed, scale, grouped: bool, toy: bool) -> tuple[str, str]:
+  """(tier that runs, its config or refusals) for a row."""
+  if name == "bf16_ragged_dot":
+    w_t = jax.ShapeDtypeStruct((EXPERTS, x.shape[1], packed.shape[1]), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((EXPERTS,), jnp.int32)
+    return grouped_gemm.plan(x, w_t, gs).forward, ""
+  if not name.startswith("mxfp4"):
+    return "xla", ""
+  impl = name.removeprefix("mxfp4_")
+  if grouped:
+    gs = jax.ShapeDtypeStruct((EXPERTS,), jnp.int32)
+    p = op.plan_ragged_dot(x, packed, scale, gs, impl=impl, interpret=toy)
+  else:
+    p = op.plan(x, packed, scale, impl=impl, interpret=toy)
+  if p.impl != impl:
+    return p.impl, "; ".join(reason for _, reason in p.declined)
+  if impl != "mosaic_gpu":
+    return p.impl, ""
+  (m, k), n = x.shape, packed.shape[-2]
+  return p.impl, str(mosaic_gpu.config(m, k, n, EXPERTS if grouped else 1, jnp.bfloat16,
+                                       mosaic_gpu.num_sms(toy)))
+
+
+def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
+              copy: float | None) -> list[dict]:
+  g = EXPERTS if grouped else 1
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+  copies = weight_copies(g, n, k, toy)
+  sets = {"mxfp4": [(p, s) if grouped else (p[0], s[0]) for p, s, _ in copies],
+          "bf16": [(jnp.swapaxes(w, 1, 2),) if grouped else (w[0],) for _, _, w in copies]}
+  shape = dict(M=m, K=k, N=n, G=g)
+  base = dict(op="mxfp4_ragged_dot" if grouped else "mxfp4_matmul", shape=shape,
+              dtype="bfloat16", device=common.device_name(), date=common.today(),
+              commit=common.code_commit(), versions=common.versions(),
+              group_sizes=f"equal, M/{EXPERTS} rows" if grouped else "one group",
+              **{"pass": "fwd"})
+  outputs, records = {}, []
+  for name, (fn, kind) in implementations(grouped, toy).items():
+    ran, note = tier(name, x, *sets["mxfp4"][0], grouped, toy)
+    rec = dict(base, implementation=name, tier=ran, note=note)
+    records.append(rec)
+    if name == "mxfp4_mosaic_gpu" and ran != "mosaic_gpu":
+      print(f"{base['op']} {shape} {name}: declined ({note})", flush=True)
+      continue
+    jitted = jax.jit(fn)
+    if toy:
+      ms = common.time_jax_once(jitted, x, *sets[kind][0])
+    else:
+      ms = time_rotating(jitted, x, sets[kind], reps=30, calls=10)
+    outputs[name] = jitted(x, *sets[kind][0]).astype(jnp.float32)
+    weight_bytes = mxfp4_bytes(g, n, k) if kind == "mxfp4" else g * n * k * 2
+    tf = 2 * m * k * n / (ms * 1e-3) / 1e12
+    tbps = weight_bytes / (ms * 1e-3) / 1e12
+    rec.update(median_ms=round(ms, 4), tflops=round(tf, 2),
+               peak_fraction=round(tf * 1e12 / peak, 4), weight_bytes=weight_bytes,
+               weight_tbps=round(tbps, 3),
+               copy_fraction=None if copy is None else round(tbps / copy, 3))
+    print(f"{base['op']:16s} M{m:<5d} K{k} N{n} {name:18s} {ms:9.4f} ms {tf:8.2f} TFLOP/s "
+          f"{tbps:6.3f} TB/s weights  [{ran}] {note}", flush=True)
+  ours = next(r for r in records if r["implementation"] == "mxfp4_mosaic_gpu")
+  peer = next((r for r in records if r["implementation"] in ("bf16_xla", "bf16_ragged_dot")
+               and r.get("median_ms")), None)
+  if ours.get("median_ms") and peer:
+    ours["speedup_vs_bf16"] = peer["median_ms"] / ours["median_ms"]
+    ref = outputs["mxfp4_reference"]
+    ours["rel_l2_vs_reference"] = float(jnp.linalg.norm(outputs["mxfp4_mosaic_gpu"] - ref)
+                                        / jnp.linalg.norm(ref))
+    print(f"  ours / {peer['implementation']}: {ours['speedup_vs_bf16']:.2f}x, relative L2 vs "
+          f"the reference {ours['rel_l2_vs_reference']:.1e}", flush=True)
+  return records
+
+
+def main(argv):
+  del argv
+  toy = _TOY.value
+  peak, peak_source = flops.peak_flops_per_device()
+  copy = None if toy else copy_tbps()
+  print(f"device {common.device_name()}: peak {peak / 1e12:.0f} TFLOP/s ({peak_source}), copy "
+        f"{copy if copy is None else round(copy, 2)} TB/s", flush=True)
+  records = []
+  for k, n in TOY_KN if toy else K3_KN:
+    for m in TOY_DENSE_M if toy else DENSE_M:
+      records += run_shape(m, k, n, False, toy, peak, copy)
+    for m in TOY_GROUPED_M if toy else GROUPED_M:
+      records += run_shape(m, k, n, True, toy, peak, copy)
+  for r in records:
+    r.update(peak_tflops=round(peak / 1e12, 1), peak_source=peak_source,
+             copy_tbps=None if copy is None else round(copy, 3))
+  common.merge_records(_OUT.value, records, KEY_FIELDS)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,187 @@
+"""Public MXFP4-weight x bf16-activation matmuls for the routed experts (k3_techniques.md §7;
+checkpoint layout k3_hf_names.md).
+
+A weight W [N, K] (out, in) is given as the released K3 checkpoint stores it: `w_packed` uint8
+[N, K/2] (element 2j in the low nibble, 2j+1 in the high one; a nibble is an E2M1 code, values
+0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives) and `w_scale` uint8 [N, K/32] (E8M0 bits, the
+block of 32 elements along K is scaled by 2^(s - 127)).
+  mxfp4_matmul(x [M, K], w_packed, w_scale)                -> [M, N] = x @ W^T
+  mxfp4_ragged_dot(lhs [M, K], w_packed [G, N, K/2], w_scale [G, N, K/32], group_sizes [G])
+                                                           -> [M, N]
+mxfp4_ragged_dot has `jax.lax.ragged_dot`'s semantics with expert g's weight W_g^T: rows sorted
+by group, rows past sum(group_sizes) give zeros. Output dtype: preferred_element_type, else x's;
+products accumulate in fp32.
+
+Tiers ("impl"): "reference" (`k3jax.mx.unpack_k3` then `jnp.dot` / `jax.lax.ragged_dot`, any
+platform), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
+(`mosaic_tpu.py`, imported when asked for). impl=None is the platform default, the reference
+everywhere for now: a kernel joins the default only after its tests pass on its hardware, so
+mosaic_gpu becomes the Hopper default once tests/pallas_kernels/test_mxfp4_matmul_gpu.py passes
+on the H200, and mosaic_tpu once its tests run on a TPU. A named kernel that declines a call
+(`supports_*` gives the reason) falls through to the reference (fail closed); `plan` /
+`plan_ragged_dot` return the choice and every reason. `interpret=True` runs the kernel tiers
+in their interpreters (CPU tests).
+
+Inference ops: differentiable with respect to x only (a custom VJP on every tier: d_x =
+d_out @ W through the reference's dequantization); the packed weights and scales are integer
+arrays and get no gradient (QAT trains the float weights through `k3jax.mx.fake_quantize`).
+"""
+import functools
+import importlib
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import tiers
+from pallas_kernels.mxfp4_matmul import reference
+
+IMPLS = ("reference", "mosaic_gpu", "mosaic_tpu")
+BLOCK = 32
+Plan = tiers.Plan
+
+
+def default_impls() -> tuple[str, ...]:
+  """Tier order for impl=None: the reference on every platform until a kernel's tests pass on
+  its hardware (mosaic_gpu has run only in the Mosaic GPU interpreter and CUDA lowering)."""
+  return ("reference",)
+
+
+def _order(impl: str | None) -> tuple[str, ...]:
+  if impl is None:
+    return default_impls()
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
+  return (impl,) if impl == "reference" else (impl, "reference")
+
+
+def _tier(name: str) -> types.ModuleType:
+  """The tier's module, imported on first use (mosaic_tpu only when asked for)."""
+  return importlib.import_module(f"pallas_kernels.mxfp4_matmul.{name}")
+
+
+def _validate(x_name: str, x, w_packed, w_scale, group_sizes, preferred_element_type) -> None:
+  """ValueError naming the first argument that does not fit."""
+  if len(x.shape) != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{x_name} must be a floating [M, K] array, got shape {tuple(x.shape)} "
+                     f"and dtype {x.dtype}")
+  k = x.shape[1]
+  if k % BLOCK:
+    raise ValueError(f"{x_name}'s K={k} must be a multiple of {BLOCK} (the MX block)")
+  lead = "" if group_sizes is None else "G, "
+  rank = 2 if group_sizes is None else 3
+  for name, arr, cols in (("w_packed", w_packed, k // 2), ("w_scale", w_scale, k // BLOCK)):
+    if jnp.dtype(arr.dtype) != jnp.dtype(jnp.uint8):
+      raise ValueError(f"{name} must be uint8, got {arr.dtype}")
+    if len(arr.shape) != rank or arr.shape[-1] != cols:
+      raise ValueError(f"{name} must be [{lead}N, {cols}] for K={k}, got shape "
+                       f"{tuple(arr.shape)}")
+  if tuple(w_scale.shape[:-1]) != tuple(w_packed.shape[:-1]):
+    raise ValueError(f"w_scale must have the leading dims {tuple(w_packed.shape[:-1])} of "
+                     f"w_packed, got shape {tuple(w_scale.shape)}")
+  if group_sizes is not None:
+    if tuple(group_sizes.shape) != (w_packed.shape[0],):
+      raise ValueError(f"group_sizes must have shape [G] = ({w_packed.shape[0]},), got "
+                       f"{tuple(group_sizes.shape)}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+      raise ValueError(f"group_sizes must be an integer array (int32), got {group_sizes.dtype}")
+  if (preferred_element_type is not None
+      and not jnp.issubdtype(jnp.dtype(preferred_element_type), jnp.floating)):
+    raise ValueError(f"preferred_element_type must be None or a floating dtype, got "
+                     f"{preferred_element_type}")
+
+
+def _plan(x, w_packed, w_scale, group_sizes, preferred_element_type, impl, interpret) -> Plan:
+  def reason_of(name: str) -> str | None:
+    tier = _tier(name)
+    if group_sizes is None:
+      return tier.supports_matmul(x, w_packed, w_scale,
+                                  preferred_element_type=preferred_element_type,
+                                  interpret=interpret)
+    return tier.supports_ragged_dot(x, w_packed, w_scale, group_sizes,
+                                    preferred_element_type=preferred_element_type,
+                                    interpret=interpret)
+
+  return tiers.first_supported(_order(impl), reason_of, interpret)
+
+
+def plan(x, w_packed, w_scale, *, preferred_element_type=None, impl: str | None = None,
+         interpret: bool = False) -> Plan:
+  """The tier `mxfp4_matmul` would use for these arguments (arrays or ShapeDtypeStructs)."""
+  _validate("x", x, w_packed, w_scale, None, preferred_element_type)
+  return _plan(x, w_packed, w_scale, None, preferred_element_type, impl, interpret)
+
+
+def plan_ragged_dot(lhs, w_packed, w_scale, group_sizes, *, preferred_element_type=None,
+                    impl: str | None = None, interpret: bool = False) -> Plan:
+  """The tier `mxfp4_ragged_dot` would use for these arguments."""
+  _validate("lhs", lhs, w_packed, w_scale, group_sizes, preferred_element_type)
+  return _plan(lhs, w_packed, w_scale, group_sizes, preferred_element_type, impl, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _product(x, w_packed, w_scale, group_sizes, p: Plan, out_dtype: np.dtype):
+  """The plan's tier: x @ W^T (group_sizes None) or the grouped product."""
+  tier = _tier(p.impl)
+  if group_sizes is None:
+    return tier.matmul(x, w_packed, w_scale, preferred_element_type=out_dtype,
+                       interpret=p.interpret)
+  return tier.ragged_dot(x, w_packed, w_scale, group_sizes, preferred_element_type=out_dtype,
+                         interpret=p.interpret)
+
+
+def _product_fwd(x, w_packed, w_scale, group_sizes, p, out_dtype):
+  # The VJP needs x's dtype, not x: a zero-size array of that dtype is the residual.
+  return (_product(x, w_packed, w_scale, group_sizes, p, out_dtype),
+          (jnp.zeros((0,), x.dtype), w_packed, w_scale, group_sizes))
+
+
+def _product_bwd(p, out_dtype, residuals, d_out):
+  del p, out_dtype
+  x_like, w_packed, w_scale, group_sizes = residuals
+  d_x = reference.x_cotangent(d_out, w_packed, w_scale, group_sizes, x_like.dtype)
+  return d_x, None, None, None
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def _log_declines(p: Plan) -> None:
+  for name, reason in p.declined:
+    logging.info("mxfp4_matmul: tier %s declined (%s); trying the next", name, reason)
+
+
+def _out_dtype(x, preferred_element_type) -> np.dtype:
+  return jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
+
+
+def mxfp4_matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
+                 impl: str | None = None, preferred_element_type=None,
+                 interpret: bool = False) -> jax.Array:
+  """x [M, K] @ W^T -> [M, N] for W [N, K] as (w_packed [N, K/2], w_scale [N, K/32]) uint8.
+
+  Output in preferred_element_type, else x's dtype. impl: None (platform default) or one of
+  IMPLS; a kernel that declines the call runs the reference instead (see `plan`).
+  """
+  p = plan(x, w_packed, w_scale, preferred_element_type=preferred_element_type, impl=impl,
+           interpret=interpret)
+  _log_declines(p)
+  return _product(x, w_packed, w_scale, None, p, _out_dtype(x, preferred_element_type))
+
+
+def mxfp4_ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
+                     group_sizes: jax.Array, *, impl: str | None = None,
+                     preferred_element_type=None, interpret: bool = False) -> jax.Array:
+  """Grouped product lhs [M, K], (w_packed [G, N, K/2], w_scale [G, N, K/32]), group_sizes [G]
+  int -> [M, N]: row r of group g is lhs[r] @ W_g^T, rows past sum(group_sizes) are zero.
+
+  Output dtype, impl and fallback as `mxfp4_matmul` (see `plan_ragged_dot`).
+  """
+  p = plan_ragged_dot(lhs, w_packed, w_scale, group_sizes,
+                      preferred_element_type=preferred_element_type, impl=impl,
+                      interpret=interpret)
+  _log_declines(p)
+  return _product(lhs, w_packed, w_scale, group_sizes.astype(jnp.int32), p,
+                  _out_dtype(lhs, preferred_element_type))

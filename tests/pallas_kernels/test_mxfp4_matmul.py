@@ -1,0 +1,273 @@
+"""MXFP4-weight matmul on CPU: the reference against a numpy nibble-table oracle, the Mosaic GPU
+tier in its interpreter against the reference, the kernel's bit formulas exhaustively, refusals,
+bad inputs, the x-gradient, and the kernels' CUDA lowering at the K3 shapes.
+
+The oracle's table (`mxfp4_testing.py`) is written out from the E2M1 spec (k3_techniques.md
+§7), independent of `k3jax.mx`; random weights come from `mx.pack_k3`. The interpreter runs the
+kernel's pipeline, wgmma and stores, but not its two `inline_mgpu` loads (int4 view of the
+packed bytes, scale column), which the CUDA lowering covers and the GPU tests run.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import mx
+from mxfp4_testing import NIBBLE
+from mxfp4_testing import dequantize
+from mxfp4_testing import every_code
+from mxfp4_testing import oracle
+from mxfp4_testing import rel_err
+from pallas_kernels.mxfp4_matmul import default_impls
+from pallas_kernels.mxfp4_matmul import mosaic_gpu
+from pallas_kernels.mxfp4_matmul import mxfp4_matmul
+from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
+from pallas_kernels.mxfp4_matmul import plan
+from pallas_kernels.mxfp4_matmul import plan_ragged_dot
+from pallas_kernels.mxfp4_matmul import reference
+
+# bf16 output: relative L2 ~3e-3 from the final rounding; a wrong nibble, scale or row is O(0.1).
+BF16_TOL = 1e-2
+# fp32 output of bf16 products: exact but for the fp32 summation order.
+F32_TOL = 1e-5
+
+
+def weights(seed: int, *shape: int):
+  """mx.pack_k3 of N(0, 0.02) weights [*shape] -> (packed, scale)."""
+  return mx.pack_k3(0.02 * jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+
+
+def activations(seed: int, m: int, k: int, dtype=jnp.bfloat16) -> jax.Array:
+  return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(dtype)
+
+
+def test_reference_reads_hand_written_bytes():
+  """Bytes written out from the spec: low nibble = even column. Row 0: 0x71 -> (0.5, 6),
+  0x9F -> (-6, -0.5), 0x20 -> (0, 1), then zeros; scale 128 (2.0) for its first block and 125
+  (0.25) for the second. Row 1: 0x08 -> (-0, 0) ... with scale 127 (1.0)."""
+  packed = np.zeros((2, 32), np.uint8)
+  packed[0, :3] = [0x71, 0x9F, 0x20]
+  packed[0, 16] = 0x5C                       # column 32: code 0xC (-2), column 33: 0x5 (3)
+  packed[1, :2] = [0x08, 0xB3]               # (-0, 0), (1.5, -1.5)
+  scale = np.array([[128, 125], [127, 127]], np.uint8)
+  want = np.zeros((2, 64))
+  want[0, :6] = np.array([0.5, 6, -6, -0.5, 0, 1]) * 2.0
+  want[0, 32:34] = np.array([-2, 3]) * 0.25
+  want[1, :4] = [-0.0, 0.0, 1.5, -1.5]
+  x = jnp.eye(64, dtype=jnp.float32)
+  out = mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale))
+  np.testing.assert_array_equal(np.asarray(out), want.T)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_reference_against_nibble_table(dtype):
+  n, k = 64, 256
+  packed, scale = every_code(n, k, seed=0)
+  p, s = jnp.asarray(packed), jnp.asarray(scale)
+  exact = reference.matmul(jnp.eye(k, dtype=dtype), p, s, preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(exact), dequantize(packed, scale).T)
+  x = activations(1, 24, k, dtype)
+  tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
+  assert rel_err(reference.matmul(x, p, s), oracle(x, packed[None], scale[None], [24])) < tol
+
+
+def test_kernel_bit_formulas_cover_every_code_and_scale():
+  """`e2m1_bits` for the 16 sign-extended codes and `e8m0_bf16` for the 256 scale bytes,
+  compared as bits (no float arithmetic, so no platform denormal mode is involved)."""
+  codes = jnp.asarray((np.arange(16) ^ 8) - 8, jnp.int16)
+  bits = np.asarray(jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(mosaic_gpu.e2m1_bits(codes), jnp.bfloat16), jnp.uint16))
+  want = np.asarray(jnp.asarray(NIBBLE, jnp.bfloat16).view(jnp.uint16))
+  np.testing.assert_array_equal(bits, want)
+  scale = np.asarray(jax.lax.bitcast_convert_type(
+      mosaic_gpu.e8m0_bf16(jnp.arange(256, dtype=jnp.int16)), jnp.uint16))
+  want = np.asarray(jnp.asarray(2.0 ** (np.arange(1, 255) - 127.0), jnp.bfloat16)
+                    .view(jnp.uint16))
+  np.testing.assert_array_equal(scale[1:255], want)
+  assert scale[0] == 0x0040               # 2^-127, the bf16 subnormal
+  assert np.isnan(np.asarray(jnp.asarray(scale[255], jnp.uint16).view(jnp.bfloat16), np.float32))
+
+
+def test_mosaic_gpu_reads_every_code_exactly():
+  """x = I [K, K]: the fp32 output is W^T, every element (all 16 codes in both nibbles, 51
+  scales) through the interpreter's dequantization, SMEM tiles and wgmma; K split in 2."""
+  n, k = 128, 512
+  packed, scale = every_code(n, k, seed=1)
+  cfg = mosaic_gpu.Config(block_m=128, block_n=64, stages=3, split_k=2)
+  out = mosaic_gpu.matmul(jnp.eye(k, dtype=jnp.bfloat16), jnp.asarray(packed),
+                          jnp.asarray(scale), preferred_element_type=jnp.float32,
+                          interpret=True, config=cfg)
+  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T)
+
+
+@pytest.mark.parametrize("m, out_dtype, tol", [(20, jnp.float32, F32_TOL),
+                                               (72, jnp.bfloat16, BF16_TOL)])
+def test_mosaic_gpu_matmul_against_reference(m, out_dtype, tol):
+  """m = 20: the decode tiles (64 rows, K split over the 2 simulated SMs, fp32 partials summed
+  by XLA); m = 72: one 256-row tile of mostly padding rows (M < block_m), bf16 stored by the
+  kernel."""
+  k, n = 512, 128
+  x = activations(m, m, k)
+  packed, scale = weights(m + 1, n, k)
+  ref = reference.matmul(x, packed, scale, preferred_element_type=jnp.float32)
+  out = mxfp4_matmul(x, packed, scale, impl="mosaic_gpu", interpret=True,
+                     preferred_element_type=out_dtype)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  assert rel_err(out, ref) < tol
+
+
+RAGGED_CASES = {
+    # 128-row tiles, N = 2 * 128: an empty first and middle group, group starts off the
+    # 8-row grid (37), rows 87-99 past the sum
+    "tail": (100, (0, 37, 0, 50), None),
+    # decode tiles with K split in 2 and a 2-slot ring: a one-row group, an empty last group,
+    # rows 20-23 past the sum
+    "split": (24, (10, 1, 9, 0), mosaic_gpu.Config(block_m=64, block_n=64, stages=2, split_k=2)),
+}
+
+
+@pytest.mark.parametrize("case", RAGGED_CASES)
+def test_mosaic_gpu_ragged_dot_against_loop_over_experts(case):
+  m, sizes, cfg = RAGGED_CASES[case]
+  k, n = 512, 256
+  x = activations(m, m, k)
+  packed, scale = weights(len(sizes), len(sizes), n, k)
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = mosaic_gpu.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32,
+                              interpret=True, config=cfg)
+  ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
+  end = sum(sizes)
+  assert out.shape == (m, n) and rel_err(out, ref) < F32_TOL
+  assert rel_err(out, oracle(x, packed, scale, sizes)) < BF16_TOL
+  np.testing.assert_array_equal(np.asarray(out)[end:], 0.0)
+
+
+def test_reference_ragged_dot_against_loop_over_experts():
+  m, sizes, k, n = 40, (0, 13, 0, 20), 256, 64
+  x = activations(2, m, k)
+  packed, scale = weights(3, len(sizes), n, k)
+  out = mxfp4_ragged_dot(x, packed, scale, jnp.asarray(sizes, jnp.int32),
+                         preferred_element_type=jnp.float32)
+  assert rel_err(out, oracle(x, packed, scale, sizes)) < BF16_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+
+
+def test_gradient_with_respect_to_x():
+  """d_x = ct @ W (loop over experts for the grouped form; zero rows past the groups)."""
+  m, sizes, k, n = 40, (0, 13, 0, 20), 256, 64
+  x = activations(4, m, k, jnp.float32)
+  ct = np.asarray(activations(5, m, n, jnp.float32), np.float64)
+  packed, scale = weights(6, len(sizes), n, k)
+  w = dequantize(packed, scale)
+  d_x = jax.grad(lambda a: jnp.sum(mxfp4_matmul(a, packed[0], scale[0]) * ct))(x)
+  assert rel_err(d_x, ct @ w[0]) < F32_TOL
+  gs = jnp.asarray(sizes, jnp.int32)
+  d_x = jax.grad(lambda a: jnp.sum(mxfp4_ragged_dot(a, packed, scale, gs) * ct))(x)
+  want = np.zeros((m, k))
+  start = 0
+  for g, size in enumerate(sizes):
+    want[start:start + size] = ct[start:start + size] @ w[g]
+    start += size
+  assert rel_err(d_x, want) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(d_x)[sum(sizes):], 0.0)
+
+
+def test_plan_defaults_and_falls_through_with_reasons():
+  x = activations(0, 16, 512)
+  packed, scale = weights(0, 128, 512)
+  assert default_impls() == ("reference",)
+  p = plan(x, packed, scale)
+  assert p.impl == "reference" and not p.declined
+  assert plan(x, packed, scale, impl="mosaic_gpu", interpret=True).impl == "mosaic_gpu"
+  refusals = {
+      "not an NVIDIA Hopper GPU": plan(x, packed, scale, impl="mosaic_gpu"),
+      "needs bfloat16 x": plan(x.astype(jnp.float32), packed, scale, impl="mosaic_gpu",
+                               interpret=True),
+      "output dtype must be bfloat16 or float32": plan(
+          x, packed, scale, impl="mosaic_gpu", interpret=True,
+          preferred_element_type=jnp.float16),
+      "K=288 is not a multiple of 512": plan(x[:, :288], packed[:, :144], scale[:, :9],
+                                             impl="mosaic_gpu", interpret=True),
+      "N=64 is not a multiple of the CTA tile": plan(x, packed[:64], scale[:64],
+                                                     impl="mosaic_gpu", interpret=True),
+      "not a TPU": plan(x, packed, scale, impl="mosaic_tpu"),
+  }
+  for reason, p in refusals.items():
+    assert p.impl == "reference" and len(p.declined) == 1, p
+    assert reason in p.declined[0][1], (reason, p.declined)
+  gs = jnp.asarray([16, 0], jnp.int32)
+  two = plan_ragged_dot(x, jnp.stack([packed] * 2), jnp.stack([scale] * 2), gs,
+                        impl="mosaic_gpu")
+  assert two.impl == "reference" and "Hopper" in two.declined[0][1]
+  out = mxfp4_matmul(x[:, :288], packed[:, :144], scale[:, :9], impl="mosaic_gpu",
+                     interpret=True)
+  want = oracle(x[:, :288], packed[None, :, :144], scale[None, :, :9], [16])
+  assert rel_err(out, want) < BF16_TOL
+
+
+BAD = {
+    "x must be a floating": dict(x=((16, 512), jnp.int32)),
+    "x must be a floating \\[M, K\\]": dict(x=((2, 16, 512), jnp.bfloat16)),
+    "x's K=48 must be a multiple of 32": dict(x=((16, 48), jnp.bfloat16)),
+    "w_packed must be uint8": dict(w_packed=((128, 256), jnp.int8)),
+    "w_packed must be \\[N, 256\\]": dict(w_packed=((128, 128), jnp.uint8)),
+    "w_scale must be uint8": dict(w_scale=((128, 16), jnp.float32)),
+    "w_scale must be \\[N, 16\\]": dict(w_scale=((128, 8), jnp.uint8)),
+    "w_scale must have the leading dims": dict(w_scale=((64, 16), jnp.uint8)),
+    "preferred_element_type must be": dict(preferred_element_type=jnp.int32),
+    "impl must be None or one of": dict(impl="cuda"),
+}
+
+
+@pytest.mark.parametrize("match", BAD)
+def test_bad_matmul_arguments(match):
+  args = dict(x=((16, 512), jnp.bfloat16), w_packed=((128, 256), jnp.uint8),
+              w_scale=((128, 16), jnp.uint8))
+  kwargs = {k: v for k, v in BAD[match].items() if k not in args}
+  args.update({k: v for k, v in BAD[match].items() if k in args})
+  x, packed, scale = (jnp.zeros(*args[k]) for k in ("x", "w_packed", "w_scale"))
+  with pytest.raises(ValueError, match=match):
+    mxfp4_matmul(x, packed, scale, **kwargs)
+
+
+def test_bad_ragged_dot_arguments():
+  x = jnp.zeros((16, 512), jnp.bfloat16)
+  packed, scale = jnp.zeros((2, 128, 256), jnp.uint8), jnp.zeros((2, 128, 16), jnp.uint8)
+  gs = jnp.asarray([8, 8], jnp.int32)
+  with pytest.raises(ValueError, match=r"group_sizes must have shape \[G\] = \(2,\)"):
+    mxfp4_ragged_dot(x, packed, scale, gs[:1])
+  with pytest.raises(ValueError, match="group_sizes must be an integer"):
+    mxfp4_ragged_dot(x, packed, scale, gs.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"w_packed must be \[G, N, 256\]"):
+    mxfp4_ragged_dot(x, packed[0], scale, gs)
+  with pytest.raises(ValueError, match="lhs must be a floating"):
+    mxfp4_ragged_dot(x[None], packed, scale, gs)
+
+
+K3_SHAPES = [(1, 3584, 3072, 1), (4096, 3072, 3584, 1), (16, 3584, 3072, 8),
+             (4096, 3584, 3072, 8)]
+
+
+@pytest.mark.parametrize("m, k, n, g", K3_SHAPES)
+def test_config_fits_and_kernel_lowers_for_hopper(monkeypatch, m, k, n, g):
+  """At the K3 expert shapes the config fits shared memory, small M splits K over the SMs, and
+  the kernel (with its inline Mosaic GPU loads) lowers for CUDA on CPU."""
+  monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
+  cfg = mosaic_gpu.config(m, k, n, g, jnp.bfloat16, 132)
+  assert isinstance(cfg, mosaic_gpu.Config), cfg
+  assert mosaic_gpu.smem_bytes(cfg, jnp.bfloat16) <= mosaic_gpu.SMEM_BYTES
+  if m <= mosaic_gpu.SMALL_M and g == 1:
+    units = n // (2 * cfg.block_n) * cfg.split_k
+    assert cfg.split_k > 1 and units <= 132, cfg
+  s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  lead = (g,) if g > 1 else ()
+  args = [s(m, k), s(*lead, n, k // 2, dtype=jnp.uint8), s(*lead, n, k // 32, dtype=jnp.uint8)]
+  if g > 1:
+    fn = lambda x, p, sc, gs: mosaic_gpu.ragged_dot(x, p, sc, gs)
+    args.append(s(g, dtype=jnp.int32))
+  else:
+    fn = lambda x, p, sc: mosaic_gpu.matmul(x, p, sc)
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+

@@ -1,0 +1,96 @@
+"""The MXFP4 matmul's Mosaic GPU kernel on a Hopper GPU (skipped elsewhere) against the reference.
+
+First what the CPU tests cannot run: the kernel's inline Mosaic GPU loads (the packed bytes as
+int4, the scale column) read every code and scale exactly (x = I), and a NaN scale byte. Then
+the K3 expert shapes (K, N) = (3584, 3072) and (3072, 3584) at M = 1, 16, 64 and 4096, dense
+and grouped over 8 experts (uneven sizes, an empty expert, rows past the groups), fp32 output
+against the reference (`k3jax.mx.unpack_k3` + XLA, bf16 operands, fp32 sums) and bf16 output.
+The plan must pick mosaic_gpu when asked, so a silent fall-through fails.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import mx
+from mxfp4_testing import dequantize
+from mxfp4_testing import every_code
+from mxfp4_testing import rel_err
+from pallas_kernels.mxfp4_matmul import mosaic_gpu
+from pallas_kernels.mxfp4_matmul import mxfp4_matmul
+from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
+from pallas_kernels.mxfp4_matmul import plan
+from pallas_kernels.mxfp4_matmul import plan_ragged_dot
+from pallas_kernels.mxfp4_matmul import reference
+
+pytestmark = pytest.mark.skipif(not mosaic_gpu.is_hopper(), reason="needs an NVIDIA Hopper GPU")
+
+BF16_TOL = 1e-2     # relative L2 of bf16 outputs (fp32 accumulation): ~3e-3 expected
+F32_TOL = 1e-5      # fp32 outputs of the same bf16 products: summation order only
+K3_SHAPES = ((3584, 3072), (3072, 3584))
+SIZES = {1: (0, 0, 1, 0, 0, 0, 0, 0), 16: (3, 0, 5, 1, 2, 0, 4, 1),
+         64: (10, 0, 7, 13, 1, 9, 20, 2), 4096: (700, 0, 513, 1000, 9, 1100, 400, 370)}
+
+
+def make(m, k, n, groups, seed=0):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  packed, scale = mx.pack_k3(0.02 * jax.random.normal(kw, (groups, n, k), jnp.float32))
+  return x, packed, scale
+
+
+@pytest.mark.parametrize("m", [512, 16])
+def test_reads_every_code_and_scale_exactly(m):
+  """x = rows of I: out = W^T, exact in fp32 (the decode tiles for m = 16)."""
+  n, k = 256, 512
+  packed, scale = every_code(n, k, seed=m)
+  x = jnp.eye(m, k, dtype=jnp.bfloat16)
+  out = mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), impl="mosaic_gpu",
+                     preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:m])
+
+
+def test_nan_scale_gives_a_nan_column():
+  n, k = 256, 512
+  packed, scale = every_code(n, k, seed=3)
+  scale[5, 3] = 255
+  out = np.asarray(mxfp4_matmul(jnp.ones((16, k), jnp.bfloat16), jnp.asarray(packed),
+                                jnp.asarray(scale), impl="mosaic_gpu",
+                                preferred_element_type=jnp.float32))
+  nan = np.zeros(out.shape, bool)
+  nan[:, 5] = True
+  np.testing.assert_array_equal(np.isnan(out), nan)
+
+
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64, 4096])
+def test_matmul_k3_shapes(m, k, n):
+  x, packed, scale = make(m, k, n, 1, seed=m + k)
+  packed, scale = packed[0], scale[0]
+  p = plan(x, packed, scale, impl="mosaic_gpu")
+  assert p.impl == "mosaic_gpu", p.declined
+  ref = jax.jit(reference.matmul, static_argnames="preferred_element_type")(
+      x, packed, scale, preferred_element_type=jnp.float32)
+  fn = jax.jit(mxfp4_matmul, static_argnames=("impl", "preferred_element_type"))
+  out = fn(x, packed, scale, impl="mosaic_gpu", preferred_element_type=jnp.float32)
+  assert out.shape == (m, n) and rel_err(out, ref) < F32_TOL
+  out = fn(x, packed, scale, impl="mosaic_gpu")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64, 4096])
+def test_ragged_dot_k3_shapes_eight_experts(m, k, n):
+  sizes = SIZES[m]
+  x, packed, scale = make(m + 5, k, n, len(sizes), seed=m + n)     # 5 rows past the groups
+  gs = jnp.asarray(sizes, jnp.int32)
+  p = plan_ragged_dot(x, packed, scale, gs, impl="mosaic_gpu")
+  assert p.impl == "mosaic_gpu", p.declined
+  ref = jax.jit(reference.ragged_dot, static_argnames="preferred_element_type")(
+      x, packed, scale, gs, preferred_element_type=jnp.float32)
+  fn = jax.jit(mxfp4_ragged_dot, static_argnames=("impl", "preferred_element_type"))
+  out = fn(x, packed, scale, gs, impl="mosaic_gpu", preferred_element_type=jnp.float32)
+  assert rel_err(out, ref) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+  out = fn(x, packed, scale, gs, impl="mosaic_gpu")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
