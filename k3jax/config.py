@@ -18,6 +18,7 @@ _CHOICES = {
     "model.moe.balancing": ("quantile", "quantile_exact", "sign", "none"),
     "model.moe.expert_parallel": ("auto", "off"),
     "model.moe.ep_all_to_all": ("auto", "ragged", "padded"),
+    "model.moe.expert_format": ("float", "mxfp4"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "save_dots", "save_mixer_out", "offload"),
@@ -96,6 +97,13 @@ def _non_negative(cfg, *fields):
       raise ConfigError(f, f"must be a non-negative integer, got {v!r}")
 
 
+def _bool(cfg, *fields):
+  for f in fields:
+    v = get(cfg, f)
+    if not isinstance(v, bool):
+      raise ConfigError(f, f"must be True or False, got {v!r}")
+
+
 def layer_types(model_cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
   """'kda' or 'mla' for each 0-based layer, from the 1-based `full_attn_layers`."""
   full = set(model_cfg.full_attn_layers)
@@ -120,6 +128,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "model.mtp_num_layers", "model.mla.q_lora_rank", "model.mla.qk_rope_head_dim",
                 "model.moe.num_experts", "model.moe.latent_size", "model.moe.n_shared_experts",
                 "data.default_num_docs", "data.num_workers")
+  _bool(cfg, "model.moe.qat")
   n = m.num_layers
   for name in ("full_attn_layers", "kda_layers"):
     field = f"model.{name}"
@@ -143,6 +152,13 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     factor = m.moe.ep_capacity_factor
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
       raise ConfigError("model.moe.ep_capacity_factor", f"must be a number > 0, got {factor!r}")
+    if m.moe.qat or m.moe.expert_format == "mxfp4":
+      sizes = (("model.moe.latent_size", m.moe.latent_size or m.hidden_size),
+               ("model.moe.moe_intermediate_size", m.moe.moe_intermediate_size))
+      for field, size in sizes:
+        if size % 32:
+          raise ConfigError(field, f"{size} is not a multiple of 32, the MX block along the "
+                            "experts' input dims (model.moe.qat, expert_format='mxfp4')")
   if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
     raise ConfigError("train.grad_accum_steps",
                       f"{cfg.train.grad_accum_steps} does not divide train.global_batch_size="
@@ -237,7 +253,12 @@ def load(path: str, overrides: dict[str, Any] | None = None) -> ml_collections.C
   spec = importlib.util.spec_from_file_location("k3jax_user_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = module.get_config()
+  return override(module.get_config(), overrides)
+
+
+def override(cfg: ml_collections.ConfigDict,
+             overrides: dict[str, Any] | None) -> ml_collections.ConfigDict:
+  """Sets the dotted fields of `overrides` in `cfg` (in place), validates; returns it."""
   for field, value in (overrides or {}).items():
     parent, _, leaf = field.rpartition(".")
     node = get(cfg, parent) if parent else cfg

@@ -158,17 +158,19 @@ def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def exchange_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
-                     w3: jax.Array, w2: jax.Array, *, num_experts: int, capacity: int,
+def exchange_experts(z: jax.Array, weights: jax.Array, experts: jax.Array,
+                     w1: latent_moe.ExpertWeight, w3: latent_moe.ExpertWeight,
+                     w2: latent_moe.ExpertWeight, *, num_experts: int, capacity: int,
                      all_to_all: str, axes: tuple[str, ...], beta1: float, beta2: float,
                      ragged_dot: latent_moe.RaggedDot = jax.lax.ragged_dot,
-                     gate_up_impl: str | None = "xla", gate_up_train: str = "kernel"
-                     ) -> tuple[jax.Array, jax.Array]:
+                     gate_up_impl: str | None = "xla", gate_up_train: str = "kernel",
+                     qat: bool = False) -> tuple[jax.Array, jax.Array]:
   """`latent_moe.routed_experts` of one device inside `jax.shard_map` (Eq. 11), its experts
   sharded over the `expert` axis.
 
   z [N_local, l], weights / experts [N_local, k] (global expert ids), w1/w3 [E_local, l, m],
-  w2 [E_local, m, l] -> (u [N_local, l], copies of this device dropped past `capacity`).
+  w2 [E_local, m, l] (or `latent_moe.PackedWeight`s) -> (u [N_local, l], copies of this device
+  dropped past `capacity`).
   Copies sorted by expert go out in one all-to-all over `expert`; the receiver runs
   `latent_moe.grouped_experts` on its buffer [capacity, l] (`local_order` puts it in expert
   order) and the reverse all-to-all brings the rows back for `latent_moe.combine`. `axes`:
@@ -186,7 +188,8 @@ def exchange_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: j
     local, local_inverse, local_sizes = local_order(sizes["recv_counts"], capacity)
   ones = _varying(jnp.ones((capacity, 1), jnp.float32), axes)
   out = latent_moe.grouped_experts(received, ones, local, local_inverse, local_sizes, w1, w3,
-                                   w2, beta1, beta2, ragged_dot, gate_up_impl, gate_up_train)
+                                   w2, beta1, beta2, ragged_dot, gate_up_impl, gate_up_train,
+                                   qat=qat)
   with jax.named_scope("moe_combine"):
     back = exchange(out, _varying(jnp.zeros_like(xs), axes), sizes["recv_offsets"],
                     sizes["recv_sizes"], sizes["source_offsets"], sizes["send_sizes"],
@@ -196,19 +199,21 @@ def exchange_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: j
 
 
 def routed_moe(x: jax.Array, z: jax.Array, router_kernel: jax.Array, bias: jax.Array,
-               w1: jax.Array, w3: jax.Array, w2: jax.Array, *, top_k: int,
-               routed_scaling_factor: float, norm_topk_prob: bool, beta1: float, beta2: float,
-               qb_num_bins: int, keep_scores: bool, capacity_factor: float,
-               all_to_all: str = "auto", ragged_dot: latent_moe.RaggedDot = jax.lax.ragged_dot,
-               gate_up_impl: str | None = "xla", gate_up_train: str = "kernel"
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+               w1: latent_moe.ExpertWeight, w3: latent_moe.ExpertWeight,
+               w2: latent_moe.ExpertWeight, *, top_k: int, routed_scaling_factor: float,
+               norm_topk_prob: bool, beta1: float, beta2: float, qb_num_bins: int,
+               keep_scores: bool, capacity_factor: float, all_to_all: str = "auto",
+               ragged_dot: latent_moe.RaggedDot = jax.lax.ragged_dot,
+               gate_up_impl: str | None = "xla", gate_up_train: str = "kernel",
+               qat: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Routing, routed experts and QB statistics of LatentMoE with experts over `expert`.
 
   x [B, T, d] (router input), z [B, T, l] (expert input), router_kernel [d, E], bias [E],
-  w1/w3 [E, l, m], w2 [E, m, l] -> (u [B, T, l], aux) under the mesh of `jax.set_mesh`:
-  B is split over (data, expert), T over context. aux: `latent_moe.routing_stats` summed over
-  all devices (loads, qb_counts; qb_lo, qb_hi), ep_dropped (copies dropped past the receive
-  buffers, all devices), and scores [B, T, E] when keep_scores.
+  w1/w3 [E, l, m], w2 [E, m, l] (or `latent_moe.PackedWeight`s, split over E alike)
+  -> (u [B, T, l], aux) under the mesh of `jax.set_mesh`: B is split over (data, expert), T
+  over context. aux: `latent_moe.routing_stats` summed over all devices (loads, qb_counts;
+  qb_lo, qb_hi), ep_dropped (copies dropped past the receive buffers, all devices), and
+  scores [B, T, E] when keep_scores. qat: MXFP8 expert inputs (`latent_moe.expert_input`).
   """
   mesh = jax.sharding.get_abstract_mesh()
   axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
@@ -231,11 +236,11 @@ def routed_moe(x: jax.Array, z: jax.Array, router_kernel: jax.Array, bias: jax.A
       num_experts=num_experts, axes=axes, all_to_all=all_to_all_impl(all_to_all),
       capacity=receive_rows(tokens_local, top_k, ranks, num_experts // ranks, capacity_factor),
       beta1=beta1, beta2=beta2, ragged_dot=ragged_dot, gate_up_impl=gate_up_impl,
-      gate_up_train=gate_up_train)
+      gate_up_train=gate_up_train, qat=qat)
 
   def local(x, z, router_kernel, bias, w1, w3, w2):
     xf, zf = x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])
-    w1, w3, w2 = (_varying(w, axes) for w in (w1, w3, w2))
+    w1, w3, w2 = jax.tree.map(lambda w: _varying(w, axes), (w1, w3, w2))
     with jax.named_scope("moe_routing"):
       weights, experts, scores, cutoffs = latent_moe.route(
           xf, _varying(router_kernel, axes), bias, top_k, routed_scaling_factor,

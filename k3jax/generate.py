@@ -22,6 +22,7 @@ from flax import nnx
 import k3jax  # noqa: F401  (turns off eager sharding before parameters are created)
 from k3jax import checkpoint
 from k3jax import config as config_lib
+from k3jax import mx
 from k3jax.model import K3ForCausalLM
 
 
@@ -147,21 +148,34 @@ def _abstract_model(cfg: ml_collections.ConfigDict) -> tuple[Any, dict, dict]:
           jax.tree.map(on_device, nnx.to_pure_dict(buffers)))
 
 
-def load_model(workdir: str, step: int | None = None
+def load_model(workdir: str, step: int | None = None, overrides: dict[str, Any] | None = None
                ) -> tuple[K3ForCausalLM, ml_collections.ConfigDict, int]:
   """The model trained in `workdir` (`launch.train`): (model, config, checkpoint step).
 
   Reads WORKDIR/config.json and restores only `params` and `buffers` of the saved train
   state (orbax partial restore; no optimizer state, no data iterator) onto the first
   device. step None: the newest checkpoint that can be read (an unreadable one is
-  skipped with a warning; nothing in the workdir is changed).
+  skipped with a warning; nothing in the workdir is changed). overrides: dotted config
+  fields set for inference (a field that changes parameter shapes fails the restore);
+  `{"model.moe.expert_format": "mxfp4"}` on a float checkpoint packs the routed experts at
+  load (`k3jax.mx.pack_experts`). The config returned has the overrides.
   """
   config_path = os.path.join(workdir, "config.json")
   if not os.path.exists(config_path):
     raise FileNotFoundError(f"{config_path} not found; is {workdir!r} a training workdir "
                             "(python -m launch.train --workdir=...)?")
   with open(config_path) as f:
-    cfg = config_lib.from_json(f.read())
+    saved = config_lib.from_json(f.read())
+  cfg = config_lib.override(config_lib.from_json(saved.to_json()), overrides)
+  saved_format = saved.model.moe.expert_format
+  pack = cfg.model.moe.expert_format != saved_format
+  if pack and saved_format != "float":
+    raise config_lib.ConfigError("model.moe.expert_format",
+                                 f"the checkpoint's experts are {saved_format!r}; only float "
+                                 "experts can be packed at load")
+  # The checkpoint's variables: cfg's model with the experts as saved.
+  restore_cfg = config_lib.override(config_lib.from_json(cfg.to_json()),
+                                    {"model.moe.expert_format": saved_format})
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints in {workdir!r}: {directory} does not exist")
@@ -180,7 +194,7 @@ def load_model(workdir: str, step: int | None = None
         raise checkpoint.CheckpointError(f"step {step} has no checkpoint in {directory}; "
                                          f"available steps: {sorted(steps)}")
       steps = [step]
-    graphdef, params, buffers = _abstract_model(cfg)
+    _, params, buffers = _abstract_model(restore_cfg)
     target = {"params": params, "buffers": buffers}
     failures = []
     for s in steps:
@@ -195,8 +209,10 @@ def load_model(workdir: str, step: int | None = None
         logging.warning("checkpoint step %d in %s cannot be restored (%s)", s, directory, reason)
         failures.append((s, reason))
         continue
-      state = restored.state
-      return nnx.merge(graphdef, state["params"], state["buffers"]), cfg, s
+      params, buffers = restored.state["params"], restored.state["buffers"]
+      if pack:
+        params, buffers = mx.pack_experts(params, buffers)
+      return nnx.merge(_abstract_model(cfg)[0], params, buffers), cfg, s
   finally:
     manager.close()
   details = "\n".join(f"  step {s}: {r}" for s, r in failures)

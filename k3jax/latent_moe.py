@@ -10,28 +10,86 @@ The bias b (`e_score_correction_bias`) only selects experts, never weights them,
 Quantile Balancing (`k3jax.quantile_balancing`) after each optimizer step. Dispatch is dropless:
 token copies are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`); on
 Hopper GPUs the gather, the W1/W3 matmul and SiTU run as one kernel (`fused_gate_up`).
+
+MX formats (k3_techniques.md §7, `k3jax.mx`): with `qat`, the routed experts' W1/W3/W2 are
+fake-quantized to MXFP4 (blocks of 32 along each expert's input dim) where the layer reads
+them, and their inputs z and h to MXFP8 E4M3 (blocks of 32 along the reduction axis) in
+`grouped_experts`, with straight-through gradients; the router, Quantile Balancing, the shared
+experts and the latent projections see unquantized values. With `expert_format="mxfp4"` the
+routed experts are held packed in the K3 checkpoint layout (`PackedWeight`) and run through
+`pallas_kernels.mxfp4_matmul` (inference).
 """
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import k3jax  # noqa: F401  (turns off eager sharding before parameters are created)
-from k3jax import norms, params
+from k3jax import mx, norms, params
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
 from pallas_kernels import moe_gate_up
+from pallas_kernels import mxfp4_matmul
 from pallas_kernels import top_k as top_k_op
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
+EXPERT_FORMATS = ("float", "mxfp4")
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 class MoEBias(nnx.Variable):
   """The router's selection bias [E] (fp32). Not an `nnx.Param`: optimizers never see it."""
+
+
+class PackedExperts(nnx.Variable):
+  """A routed expert weight's packed MXFP4 bytes or E8M0 scales (uint8, K3 checkpoint layout;
+  `expert_format="mxfp4"`). Not an `nnx.Param`: nothing trains them."""
+
+
+class PackedWeight(NamedTuple):
+  """The routed experts' weight in the K3 checkpoint layout (`k3jax.mx.pack_k3`): packed uint8
+  [E, out, in/2] (two E2M1 codes a byte) and scale uint8 [E, out, in/32] (E8M0)."""
+  packed: jax.Array
+  scale: jax.Array
+
+
+ExpertWeight = jax.Array | PackedWeight
+
+
+def expert_shape(w: ExpertWeight) -> tuple[int, int, int]:
+  """[E, in, out] of an expert weight: a float [E, in, out] or a `PackedWeight`."""
+  if isinstance(w, PackedWeight):
+    num_experts, out, half_in = w.packed.shape
+    return num_experts, 2 * half_in, out
+  return tuple(w.shape)
+
+
+def expert_input(a: jax.Array, qat: bool) -> jax.Array:
+  """An expert GEMM's input a [M, K]: with `qat`, MXFP8 (E4M3) fake-quantized in blocks of 32
+  along K (k3_techniques.md §7, straight-through gradient); else a unchanged."""
+  return mx.fake_quantize(a, "mxfp8", axis=-1) if qat else a
+
+
+def expert_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
+                  ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
+  """x [M, K] (rows grouped by expert, `group_sizes` [E]) times each row's expert -> [M, N]:
+  a float w [E, K, N] through `ragged_dot`; a `PackedWeight` ([E, N, K/2]) through
+  `pallas_kernels.mxfp4_matmul.mxfp4_ragged_dot`, in x's dtype."""
+  if isinstance(w, PackedWeight):
+    return mxfp4_matmul.mxfp4_ragged_dot(x, w.packed, w.scale, group_sizes,
+                                         preferred_element_type=x.dtype)
+  return ragged_dot(x, w, group_sizes)
+
+
+def gate_up_weight(w1: ExpertWeight, w3: ExpertWeight) -> ExpertWeight:
+  """[W1 | W3] on the output axis: [E, l, 2m], or packed [E, 2m, l/2] (scales alike)."""
+  if isinstance(w1, PackedWeight):
+    return PackedWeight(*(jnp.concatenate([a, b], axis=1) for a, b in zip(w1, w3)))
+  return jnp.concatenate([w1, w3], axis=2)
 
 
 def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
@@ -127,64 +185,71 @@ def _router_logits_bwd(res, g):
 router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
-def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
-                   w3: jax.Array, w2: jax.Array, beta1: float, beta2: float,
+def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: ExpertWeight,
+                   w3: ExpertWeight, w2: ExpertWeight, beta1: float, beta2: float,
                    ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
-                   gate_up_train: str = "kernel", interpret: bool = False) -> jax.Array:
+                   gate_up_train: str = "kernel", interpret: bool = False,
+                   qat: bool = False) -> jax.Array:
   """Dropless routed SiTU-GLU experts: u = sum_j p_j * W2_j[SiTU(W1_j z, W3_j z)] (Eq. 11).
 
-  z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] -> u [N, l].
-  The N*k token copies are stably sorted by expert and run through grouped matmuls;
+  z [N, l], weights [N, k], experts [N, k] int32, w1/w3 [E, l, m], w2 [E, m, l] (or each a
+  `PackedWeight` in the checkpoint layout [E, out, in/2]) -> u [N, l]. The N*k token copies
+  are stably sorted by expert and run through grouped matmuls;
   `ragged_dot(lhs [M, K], rhs [E, K, P], group_sizes [E] int32) -> [M, P]` can be replaced by a
   grouped-matmul kernel. The first product is `fused_gate_up` (gather + W1/W3 + SiTU in one
   kernel) when `pallas_kernels.moe_gate_up` picks a kernel tier for `gate_up_impl` (None: the
   platform default), else `dispatch` + `expert_ffn`; gate_up_train picks its backward
   (`GATE_UP_TRAIN`, see `fused_gate_up`). The routing weight is applied after W2
   (late routing weights); copies are un-permuted and summed over k in fp32 (no capacity, no
-  drop). `dispatch` and `combine` are the permutations, with gather-only VJPs.
+  drop). `dispatch` and `combine` are the permutations, with gather-only VJPs. qat: MXFP8
+  expert inputs (`expert_input`).
   """
   n_tok, lat = z.shape
-  num_experts = w1.shape[0]
+  s1, s3, s2 = (expert_shape(w) for w in (w1, w3, w2))
+  num_experts = s1[0]
   if weights.shape != experts.shape or weights.shape[0] != n_tok:
     raise ValueError(f"weights {weights.shape} and experts {experts.shape} must both be "
                      f"[N, k] with N = {n_tok}")
-  if (w1.shape[:2] != (num_experts, lat) or w3.shape != w1.shape
-      or w2.shape != (num_experts, w1.shape[2], lat)):
-    raise ValueError(f"expected w1, w3 [E, {lat}, m] and w2 [E, m, {lat}], got {w1.shape}, "
-                     f"{w3.shape}, {w2.shape}")
+  if s1[:2] != (num_experts, lat) or s3 != s1 or s2 != (num_experts, s1[2], lat):
+    raise ValueError(f"expected w1, w3 [E, {lat}, m] and w2 [E, m, {lat}] ([E, in, out]), got "
+                     f"{s1}, {s3}, {s2}")
   if gate_up_train not in GATE_UP_TRAIN:
     raise ValueError(f"gate_up_train must be one of {GATE_UP_TRAIN}, got {gate_up_train!r}")
   with jax.named_scope("moe_dispatch"):
     order, inverse, group_sizes = sort_by_expert(experts, num_experts)
   return grouped_experts(z, weights, order, inverse, group_sizes, w1, w3, w2, beta1, beta2,
-                         ragged_dot, gate_up_impl, gate_up_train, interpret)
+                         ragged_dot, gate_up_impl, gate_up_train, interpret, qat=qat)
 
 
 def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array,
-                    group_sizes: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
-                    beta1: float, beta2: float, ragged_dot: RaggedDot = jax.lax.ragged_dot,
-                    gate_up_impl: str | None = "xla", gate_up_train: str = "kernel",
-                    interpret: bool = False) -> jax.Array:
+                    group_sizes: jax.Array, w1: ExpertWeight, w3: ExpertWeight,
+                    w2: ExpertWeight, beta1: float, beta2: float,
+                    ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
+                    gate_up_train: str = "kernel", interpret: bool = False,
+                    qat: bool = False) -> jax.Array:
   """`routed_experts` past the sort: the copies listed by `order` (grouped by expert,
   `group_sizes` [E] int32) through the experts, combined with `weights` (Eq. 11).
 
   z [N, l], weights [N, k], order / inverse [N*k] int32 -> u [N, l]. Copies in expert order
   past sum(group_sizes) belong to no expert and give zero rows (the expert-parallel receive
-  buffer's padding, `k3jax.expert_parallel`).
+  buffer's padding, `k3jax.expert_parallel`). qat: z and h quantized by `expert_input`; z per
+  token row before the gather (the same as after it), so the fused kernel gathers quantized
+  rows. Packed weights take the unfused path.
   """
   top_k = weights.shape[1]
-  tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
-                          interpret=interpret).impl
+  z = expert_input(z, qat)
+  tier = "xla" if isinstance(w1, PackedWeight) else moe_gate_up.plan(
+      z, order, w1, w3, group_sizes, impl=gate_up_impl, interpret=interpret).impl
   if tier == "xla":
     with jax.named_scope("moe_dispatch"):
       xs = dispatch(z, order, inverse, top_k)
     with jax.named_scope("moe_experts"):
-      out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot)
+      out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot, qat)
   else:
     spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret, gate_up_train)
     with jax.named_scope("moe_experts"):
-      out = ragged_dot(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
-                       group_sizes)
+      out = expert_down(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
+                        group_sizes, ragged_dot, qat)
   with jax.named_scope("moe_combine"):
     return combine(out, weights, order, inverse).astype(z.dtype)
 
@@ -255,21 +320,28 @@ def _fused_gate_up_bwd(spec, res, d_h):
 fused_gate_up.defvjp(_fused_gate_up_fwd, _fused_gate_up_bwd)
 
 
-def expert_gate_up(xs: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array,
+def expert_gate_up(xs: jax.Array, w1: ExpertWeight, w3: ExpertWeight, group_sizes: jax.Array,
                    beta1: float, beta2: float,
                    ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
   """SiTU(xs W1, xs W3) on rows grouped by expert: xs [M, l] -> h [M, m] (Eq. 11); W1 and W3
-  run as one grouped matmul on [W1 | W3] [E, l, 2m]."""
-  gate_up = ragged_dot(xs, jnp.concatenate([w1, w3], axis=2), group_sizes)
+  run as one grouped matmul on [W1 | W3] (`gate_up_weight`)."""
+  gate_up = expert_matmul(xs, gate_up_weight(w1, w3), group_sizes, ragged_dot)
   return situ_lib.situ_gate_up(gate_up, beta1, beta2)
 
 
-def expert_ffn(xs: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+def expert_down(h: jax.Array, w2: ExpertWeight, group_sizes: jax.Array,
+                ragged_dot: RaggedDot = jax.lax.ragged_dot, qat: bool = False) -> jax.Array:
+  """W2 on rows grouped by expert: h [M, m] -> [M, l] (Eq. 11), its input by `expert_input`."""
+  return expert_matmul(expert_input(h, qat), w2, group_sizes, ragged_dot)
+
+
+def expert_ffn(xs: jax.Array, w1: ExpertWeight, w3: ExpertWeight, w2: ExpertWeight,
                group_sizes: jax.Array, beta1: float, beta2: float,
-               ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
-  """The experts' SiTU-GLU on rows grouped by expert: xs [M, l] -> [M, l] (Eq. 11)."""
+               ragged_dot: RaggedDot = jax.lax.ragged_dot, qat: bool = False) -> jax.Array:
+  """The experts' SiTU-GLU on rows grouped by expert: xs [M, l] -> [M, l] (Eq. 11); qat
+  quantizes h (xs is the caller's: `grouped_experts` quantizes z)."""
   h = expert_gate_up(xs, w1, w3, group_sizes, beta1, beta2, ragged_dot)
-  return ragged_dot(h, w2, group_sizes)
+  return expert_down(h, w2, group_sizes, ragged_dot, qat)
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:
@@ -423,6 +495,13 @@ class LatentMoE(nnx.Module):
   `k3jax.expert_parallel` (all-to-all over `expert`, receive buffers of
   ep_capacity_factor * tokens per device * top-k rows; ep_all_to_all: "auto" | "ragged" |
   "padded"); otherwise, and with "off", one device's computation as XLA partitions it.
+  qat: MXFP4 weights and MXFP8 inputs of the routed experts, fake-quantized with
+  straight-through gradients (module docstring); the parameters stay in param_dtype.
+  expert_format ("float" | "mxfp4"): "mxfp4" holds the routed experts packed, as
+  non-trained `PackedExperts` in the K3 checkpoint layout, named by the table
+  `experts.{e}.{w}.weight_packed` / `.weight_scale` (HF, [out, in/2] / [out, in/32]) ->
+  `experts.{w}_packed[e]` / `experts.{w}_scale[e]` for w in w1, w3, w2 (`k3jax.mx.pack_experts`
+  makes them from a float model); their inputs are MXFP8-quantized when `qat` is set.
   """
 
   def __init__(self, dim: int, *, num_experts: int, top_k: int, n_shared_experts: int,
@@ -432,8 +511,9 @@ class LatentMoE(nnx.Module):
                qb_num_bins: int = 1000, qb_keep_scores: bool = False,
                ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
                gate_up_train: str = "kernel", expert_parallel: str = "auto",
-               ep_capacity_factor: float = 2.0, ep_all_to_all: str = "auto", rngs: nnx.Rngs,
-               dtype=jnp.float32, param_dtype=jnp.float32):
+               ep_capacity_factor: float = 2.0, ep_all_to_all: str = "auto", qat: bool = False,
+               expert_format: str = "float", rngs: nnx.Rngs, dtype=jnp.float32,
+               param_dtype=jnp.float32):
     if not 1 <= top_k < num_experts:
       raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "
                        f"(Quantile Balancing takes top-(k+1)), got {top_k}")
@@ -442,6 +522,10 @@ class LatentMoE(nnx.Module):
                        f"got {latent_size}")
     if n_shared_experts < 0:
       raise ValueError(f"n_shared_experts must be >= 0, got {n_shared_experts}")
+    if not isinstance(qat, bool):
+      raise ValueError(f"qat must be a bool, got {qat!r}")
+    if expert_format not in EXPERT_FORMATS:
+      raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
     self.num_experts, self.top_k = num_experts, top_k
     self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
     self.beta1, self.beta2 = beta1, beta2
@@ -450,10 +534,15 @@ class LatentMoE(nnx.Module):
     self.gate_up_train = gate_up_train
     self.expert_parallel, self.ep_capacity_factor = expert_parallel, ep_capacity_factor
     self.ep_all_to_all = ep_all_to_all
+    self.qat, self.expert_format = qat, expert_format
     self.dtype = dtype
     self.use_latent = latent_size not in (0, dim)
     lat = latent_size if self.use_latent else dim
     lat_axis = "latent" if self.use_latent else "embed"
+    if (qat or expert_format == "mxfp4") and (lat % mx.BLOCK or moe_intermediate_size % mx.BLOCK):
+      raise ValueError(f"qat and expert_format='mxfp4' take blocks of {mx.BLOCK} along the "
+                       f"experts' input dims: the latent size {lat} and moe_intermediate_size "
+                       f"{moe_intermediate_size} must be multiples of {mx.BLOCK}")
     init0 = params.fan_in_init((0,))
     init1 = params.fan_in_init((1,))
 
@@ -465,13 +554,24 @@ class LatentMoE(nnx.Module):
     if self.use_latent:
       self.routed_expert_down_proj = nnx.Dict(kernel=params.param(
           rngs, init0, (dim, lat), ("embed", "latent"), param_dtype))
-    self.experts = nnx.Dict(
-        w1=params.param(rngs, init1, (num_experts, lat, moe_intermediate_size),
-                        ("exp", lat_axis, "mlp_moe"), param_dtype),
-        w3=params.param(rngs, init1, (num_experts, lat, moe_intermediate_size),
-                        ("exp", lat_axis, "mlp_moe"), param_dtype),
-        w2=params.param(rngs, init1, (num_experts, moe_intermediate_size, lat),
-                        ("exp", "mlp_moe", lat_axis), param_dtype))
+    if expert_format == "float":
+      self.experts = nnx.Dict(
+          w1=params.param(rngs, init1, (num_experts, lat, moe_intermediate_size),
+                          ("exp", lat_axis, "mlp_moe"), param_dtype),
+          w3=params.param(rngs, init1, (num_experts, lat, moe_intermediate_size),
+                          ("exp", lat_axis, "mlp_moe"), param_dtype),
+          w2=params.param(rngs, init1, (num_experts, moe_intermediate_size, lat),
+                          ("exp", "mlp_moe", lat_axis), param_dtype))
+    else:
+      # [E, out, in / per_byte] (HF layout), out's logical axis name, out, in
+      layouts = {"w1": ("mlp_moe", moe_intermediate_size, lat),
+                 "w3": ("mlp_moe", moe_intermediate_size, lat),
+                 "w2": (lat_axis, lat, moe_intermediate_size)}
+      self.experts = nnx.Dict({
+          f"{w}_{part}": PackedExperts(jnp.zeros((num_experts, out, fan_in // per_byte),
+                                                 jnp.uint8), out_sharding=("exp", axis, None))
+          for w, (axis, out, fan_in) in layouts.items()
+          for part, per_byte in (("packed", 2), ("scale", mx.BLOCK))})
     if self.use_latent:
       self.routed_expert_norm = norms.RMSNorm(lat, rms_norm_eps, rngs=rngs, axis_name="latent")
       self.routed_expert_up_proj = nnx.Dict(kernel=params.param(
@@ -494,7 +594,7 @@ class LatentMoE(nnx.Module):
     if self.use_latent:
       with jax.named_scope("moe_latent"):
         h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
-    w1, w3, w2 = (self.experts[w][...].astype(self.dtype) for w in ("w1", "w3", "w2"))
+    w1, w3, w2 = (self.expert_weight(w) for w in EXPERT_WEIGHTS)
     if expert_parallel.enabled(self.expert_parallel, jax.sharding.get_abstract_mesh()):
       u, aux = expert_parallel.routed_moe(
           x, h.reshape(bsz, seq, -1), self.gate["kernel"][...], bias, w1, w3, w2,
@@ -503,7 +603,7 @@ class LatentMoE(nnx.Module):
           qb_num_bins=self.qb_num_bins, keep_scores=self.qb_keep_scores,
           capacity_factor=self.ep_capacity_factor, all_to_all=self.ep_all_to_all,
           ragged_dot=self.ragged_dot, gate_up_impl=self.gate_up_impl,
-          gate_up_train=self.gate_up_train)
+          gate_up_train=self.gate_up_train, qat=self.qat)
       u = u.reshape(bsz * seq, -1)
       if self.qb_keep_scores:
         aux["scores"] = aux["scores"].reshape(bsz * seq, -1)
@@ -513,7 +613,7 @@ class LatentMoE(nnx.Module):
             xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
             self.norm_topk_prob, return_cutoffs=True)
       u = routed_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
-                         self.ragged_dot, self.gate_up_impl, self.gate_up_train)
+                         self.ragged_dot, self.gate_up_impl, self.gate_up_train, qat=self.qat)
       with jax.named_scope("moe_stats"):
         aux = routing_stats(scores, experts, bias, cutoffs, self.top_k, self.qb_num_bins)
       if self.qb_keep_scores:
@@ -527,3 +627,14 @@ class LatentMoE(nnx.Module):
         u = u + self.shared_experts(xf)
     aux["num_tokens"] = jnp.asarray(bsz * seq, jnp.int32)
     return u.reshape(bsz, seq, dim), aux
+
+  def expert_weight(self, name: str) -> ExpertWeight:
+    """Routed expert weight `name` (w1, w3 or w2) as the experts use it: a `PackedWeight`, or
+    the float [E, in, out] in self.dtype, MXFP4 fake-quantized along `in` with `qat` (from the
+    param_dtype values, so that it equals `k3jax.mx.pack_experts` of the same parameters)."""
+    if self.expert_format == "mxfp4":
+      return PackedWeight(self.experts[f"{name}_packed"][...], self.experts[f"{name}_scale"][...])
+    w = self.experts[name][...]
+    if self.qat:
+      w = mx.fake_quantize(w, "mxfp4", axis=-2)
+    return w.astype(self.dtype)

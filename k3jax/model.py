@@ -159,7 +159,8 @@ class DecoderLayer(nnx.Module):
           qb_keep_scores=e.balancing == "quantile_exact", ragged_dot=_ragged_dot(gmm_impl),
           gate_up_impl=gate_up_impl, gate_up_train=gate_up_train,
           expert_parallel=e.expert_parallel, ep_capacity_factor=e.ep_capacity_factor,
-          ep_all_to_all=e.ep_all_to_all, rngs=rngs, dtype=dt, param_dtype=pdt)
+          ep_all_to_all=e.ep_all_to_all, qat=e.qat, expert_format=e.expert_format, rngs=rngs,
+          dtype=dt, param_dtype=pdt)
     else:
       self.mlp = SiTUGLU(d, cfg.dense_intermediate_size, beta1=cfg.situ_beta1,
                          beta2=cfg.situ_beta2, rngs=rngs, dtype=dt, param_dtype=pdt)

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from k3jax import config as config_lib
 from k3jax import latent_moe, losses, mtp, muon, pipeline, quantile_balancing, sharding
 from k3jax.model import K3ForCausalLM
 
@@ -56,6 +57,11 @@ class Setup:
 
 def init(cfg: ml_collections.ConfigDict, seed: int) -> tuple[Setup, TrainState]:
   """Builds the model and optimizer; returns (setup, state) with concrete arrays."""
+  if cfg.model.moe.expert_format != "float":
+    raise config_lib.ConfigError(
+        "model.moe.expert_format", f"{cfg.model.moe.expert_format!r} holds the routed experts "
+        "packed for inference; training needs \"float\" (model.moe.qat=True trains them "
+        "MXFP4-aware)")
   model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(seed), kernels=cfg.kernels)
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   names = {k: jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), st,

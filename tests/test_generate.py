@@ -257,3 +257,34 @@ def test_launch_generate_prints_a_continuation(workdir):
   assert lines[1] == "prompt: count by 2"
   assert lines[2].startswith("continuation: ")
   assert "read only" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_load_model_packs_the_experts_on_request(workdir):
+  """expert_format="mxfp4" on a float checkpoint: the routed experts are packed at load
+  (`mx.pack_experts`) and the model's logits are those of the float model with its expert
+  weights fake-quantized to MXFP4 (qat is off: the inputs stay unquantized)."""
+  from k3jax import mx  # pylint: disable=import-outside-toplevel
+  model, cfg, _ = generate.load_model(workdir)
+  packed, packed_cfg, _ = generate.load_model(
+      workdir, overrides={"model.moe.expert_format": "mxfp4"})
+  assert packed_cfg.model.moe.expert_format == "mxfp4" and cfg.model.moe.expert_format == "float"
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  params = nnx.to_pure_dict(params)
+  experts = params["layers"][1]["block_sparse_moe"]["experts"]
+  for name in ("w1", "w3", "w2"):
+    experts[name] = mx.fake_quantize(experts[name], "mxfp4", axis=-2)
+  quantized = nnx.merge(graphdef, params, nnx.to_pure_dict(buffers))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 8)), jnp.int32)
+  run = nnx.jit(lambda m, t: m(t)[0])
+  np.testing.assert_allclose(run(packed, tokens), run(quantized, tokens), rtol=1e-5, atol=1e-5)
+  with pytest.raises(config.ConfigError, match="model.moe.expert_format"):
+    generate.load_model(workdir, overrides={"model.moe.expert_format": "fp4"})
+
+
+def test_launch_generate_with_packed_experts(workdir):
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.generate", f"--workdir={workdir}", "--prompt=count",
+       "--max_new_tokens=4", "--temperature=0", "--config.model.moe.expert_format=mxfp4"],
+      cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines()[2].startswith("continuation: ")

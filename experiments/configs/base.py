@@ -66,6 +66,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # copies past it are dropped and reported (moe/ep_dropped_copies; the loop stops)
   e.ep_capacity_factor = 2.0
   e.ep_all_to_all = "auto"  # auto (ragged on GPU/TPU, padded on CPU) | ragged | padded
+  # QAT (k3jax.mx): routed-expert weights fake-quantized to MXFP4, their inputs to MXFP8
+  e.qat = False
+  # Routed experts as float params, or "mxfp4": packed in the K3 checkpoint layout (inference)
+  e.expert_format = "float"
 
   kn = c.kernels = ml_collections.ConfigDict()
   kn.kda_impl = ""  # "": best available for the platform
