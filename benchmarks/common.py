@@ -42,15 +42,31 @@ def time_jax_once(fn: Callable, *args) -> float:
   return time_jax(fn, *args, warmup=1, reps=1, calls=1)
 
 
+def copy_tbps() -> float:
+  """Bytes read + written per device second (TB/s) of an elementwise pass over 1 GiB of fp32:
+  the HBM ceiling of memory-bound kernels. (A uint8 pass reached only 1.7 TB/s on the H200,
+  2026-12-02: XLA's byte-wide loads, not the memory; torch's copy gives 4.2.)"""
+  a = jnp.zeros(2 ** 28, jnp.float32)
+  ms = device_ms(jax.jit(lambda v: v + 1), a, reps=10)
+  return 2 * 2 ** 30 / ms / 1e9
+
+
 def device_ms(fn: Callable, *args, reps: int = 20) -> float:
   """Device milliseconds per call of `fn(*args)`: the summed kernel durations of `reps` calls in
   an XLA profiler trace. For ops shorter than JAX's dispatch of a call (~0.07 ms), which
   wall-clock timing (`time_jax`) would measure instead."""
-  jax.block_until_ready(fn(*args))
+  return device_ms_cycling(fn, [args], reps=reps)
+
+
+def device_ms_cycling(fn: Callable, arg_sets: list[tuple], reps: int = 20) -> float:
+  """`device_ms` with call i taking `arg_sets[i % len(arg_sets)]` (every set run once before
+  the trace): copies of the inputs cycled so that no call finds them in L2."""
+  for args in arg_sets:
+    jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
-      for _ in range(reps):
-        jax.block_until_ready(fn(*args))
+      for i in range(reps):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
     with gzip.open(find_trace(d)) as f:
       rows = device_op_times(json.load(f))
   if not rows:

@@ -25,8 +25,11 @@
 #                                                          # phase and compiler event, device time by part
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
-#   bash benchmarks/h200_baseline.sh mxfp4                 # ~8 min: MXFP4 matmul GPU tests, ours vs bf16
-#                                                          # XLA and the bf16 grouped GEMM (K3 shapes)
+#   bash benchmarks/h200_baseline.sh mxfp4                 # <= 6 min: MXFP4 matmul GPU tests, ours (and
+#                                                          # its MXFP4_VARIANTS) vs bf16 XLA and the bf16
+#                                                          # grouped GEMM (K3 shapes, device time)
+#   bash benchmarks/h200_baseline.sh decode_attention      # < 6 min: decode attention GPU tests, its tiers
+#                                                          # vs the bytes-read floor (H 8/64, S 4k-128k)
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
@@ -203,11 +206,23 @@ PY
       ;;
     mxfp4)
       # The MXFP4 matmul kernel's GPU tests (two processes), then its timing at the K3 shapes.
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout ${MXFP4_TEST_S:-240} \
-        python3 -m pytest -q -p no:cacheprovider -n 2 tests/pallas_kernels/test_mxfp4_matmul_gpu.py \
-        2>&1 | tee $OUT/mxfp4_tests.log | tail -4
-      timeout ${MXFP4_BENCH_S:-300} python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json 2>&1 \
-        | tee $OUT/mxfp4.log | grep -E "device|ms|ours|declined"
+      # Records are merged shape by shape: a benchmark cut short by its timeout keeps its rows.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout ${MXFP4_TEST_S:-150} \
+        python3 -m pytest -q -p no:cacheprovider -n 2 --durations=5 \
+        tests/pallas_kernels/test_mxfp4_matmul_gpu.py 2>&1 | tee $OUT/mxfp4_tests.log | tail -12
+      timeout ${MXFP4_BENCH_S:-200} python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json \
+        --variants=${MXFP4_VARIANTS:-full_x,select} 2>&1 | tee $OUT/mxfp4.log \
+        | grep -E "device|ms|mxfp4_mosaic_gpu|declined"
+      ;;
+    decode_attention)
+      # The decode attention kernel's GPU tests, then every tier's device time at the decode
+      # shapes; records are merged per (B, S), so a run cut short by its timeout keeps its rows.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${DECODE_TEST_S:-120} python3 -m pytest -q \
+        -p no:cacheprovider --durations=5 tests/pallas_kernels/test_decode_attention_gpu.py 2>&1 \
+        | tee $OUT/decode_attention_tests.log | tail -12
+      timeout ${DECODE_BENCH_S:-210} python3 -m benchmarks.decode_attention \
+        --out=$OUT/decode_attention_h200.json 2>&1 | tee $OUT/decode_attention.log \
+        | grep -E "device|ms|declined|failed"
       ;;
     train_remat)
       for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
@@ -236,7 +251,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4, decode_attention,
         train_parts, train_trace)"; exit 2
       ;;
   esac

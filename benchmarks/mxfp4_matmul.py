@@ -6,20 +6,33 @@ M = 1, 16, 64, 4096 (`mxfp4_matmul`); and 8 experts grouped with equal groups of
 M = 16, 64, 4096 (2, 8 and 512 rows per expert, `mxfp4_ragged_dot`). bf16 x, bf16 output.
 Rows (implementation):
 - "mxfp4_mosaic_gpu": our kernel (the tier by name; a decline is recorded, not timed);
+- "mxfp4_mosaic_gpu_<variant>": our kernel with its tile config changed as `VARIANTS` says
+  (`--variants`; a variant whose config equals the default at a shape is not run there):
+  "full_x" loads block_m rows of x per K step and pads x to block_m (the path before x_rows),
+  "select" dequantizes by compare and select (`mosaic_gpu.Config.dequant`; the default
+  "shift" was 1.2-1.5x faster on the H200, 2026-12-02);
 - "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
 - "bf16_xla": `jnp.dot` with the dequantized bf16 weight (materialised beforehand), dense only;
 - "bf16_ragged_dot": our bf16 grouped GEMM `pallas_kernels.ragged_dot.ragged_dot` (its default
   tier; `tier` says which ran), grouped only.
 Weights rotate through enough copies that every call reads them from HBM, not L2 (50 MB on the
-H200). Median wall ms of back-to-back calls (`common.time_jax`'s method). Each record has
-TFLOP/s (2 M K N) and its fraction of the spec peak (`k3jax.flops.peak_flops_per_device`), the
-weight bytes read per call (MXFP4: 4.25 bits a weight, packed + scales; bf16: 16) in TB/s and
-its fraction of a device-to-device copy measured in the same run (bytes read + written), and
-for our kernel the speedup over bf16 XLA (dense) or the bf16 grouped GEMM (grouped).
+H200). `median_ms` is device time: the summed kernel durations per call in an XLA profiler
+trace of back-to-back calls cycling the weight copies (`common.device_ms_cycling`; every kernel
+of the call counts: x's pad, the split-K sum, the cast; launch gaps do not), since a call
+shorter than JAX's dispatch (~0.07 ms) timed by wall clock measures the dispatch; `wall_ms` is
+the median wall-clock ms of back-to-back calls (`common.time_jax`'s method) beside it. Each
+record has TFLOP/s (2 M K N) and its fraction of the spec peak
+(`k3jax.flops.peak_flops_per_device`), the weight bytes read per call (MXFP4: 4.25 bits a
+weight, packed + scales; bf16: 16) in TB/s and its fraction of a device-to-device copy of
+1 GiB timed the same way (bytes read + written), and for our kernels the speedup over bf16 XLA
+(dense) or the bf16 grouped GEMM (grouped).
 
-  python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json
-`--toy` runs small shapes once each with our kernel in the Mosaic GPU interpreter (CPU tests).
+  python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json [--variants=select]
+`--toy` runs small shapes once each with our kernels in the Mosaic GPU interpreter (CPU tests):
+there is no device trace on CPU, so `median_ms` is the wall-clock ms of one call (`timing`
+says which).
 """
+import dataclasses
 import functools
 import statistics
 import time
@@ -37,7 +50,10 @@ from pallas_kernels.mxfp4_matmul import mosaic_gpu
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mxfp4_h200.json", "Records (JSON list).")
 _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel in the Mosaic "
-                         "GPU interpreter (CPU).")
+                         "GPU interpreter (CPU), wall-clock time.")
+VARIANTS = {"full_x": dict(x_rows=None), "select": dict(dequant="select")}
+_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), f"Kernel config variants to time "
+                              f"beside the default, of {list(VARIANTS)}.")
 K3_KN = ((3584, 3072), (3072, 3584))
 DENSE_M = (1, 16, 64, 4096)
 GROUPED_M = (16, 64, 4096)
@@ -46,6 +62,7 @@ TOY_KN = ((512, 128),)
 TOY_DENSE_M = (16, 72)
 TOY_GROUPED_M = (16,)
 L2_BYTES = 50 * 2 ** 20          # H200
+TRACED_CALLS = 40                # calls per device-time trace
 KEY_FIELDS = ("op", "implementation", "shape", "device")
 
 
@@ -54,7 +71,7 @@ def mxfp4_bytes(g: int, n: int, k: int) -> int:
   return g * n * (k // 2 + k // 32)
 
 
-def time_rotating(fn, x, weight_sets, reps: int, calls: int) -> float:
+def wall_rotating(fn, x, weight_sets, reps: int, calls: int) -> float:
   """Median ms per call of fn(x, *weights), the weights cycling through `weight_sets` so no
   call finds them in L2; each repetition issues `calls` back-to-back calls (as common.time_jax)."""
   for weights in weight_sets:
@@ -70,13 +87,6 @@ def time_rotating(fn, x, weight_sets, reps: int, calls: int) -> float:
   return statistics.median(times)
 
 
-def copy_tbps() -> float:
-  """Device-to-device copy of 1 GiB (bytes read + written per second), in TB/s."""
-  a = jnp.zeros(2 ** 30, jnp.uint8)
-  ms = common.time_jax(jax.jit(lambda v: v + 1), a, reps=10)
-  return 2 * 2 ** 30 / ms / 1e9
-
-
 @functools.lru_cache(maxsize=1)     # the M loop reuses one shape's copies
 def weight_copies(g: int, n: int, k: int, toy: bool):
   """[(packed, scale, bf16 weight [G, N, K])]: one for toy runs, else enough copies that the
@@ -90,14 +100,37 @@ def weight_copies(g: int, n: int, k: int, toy: bool):
   return out
 
 
-def implementations(grouped: bool, toy: bool) -> dict:
-  """name -> (fn(x, *weights), which weights: "mxfp4" (packed, scale) or "bf16")."""
+def sizes(x) -> jax.Array:
+  return jnp.full((EXPERTS,), x.shape[0] // EXPERTS, jnp.int32)
+
+
+def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
+                    variants: list[str]) -> dict:
+  """Row name -> our kernel's Config for each variant that differs from the default at this
+  shape (none where the default config is a refusal)."""
+  cfg = mosaic_gpu.config(m, k, n, EXPERTS if grouped else 1, jnp.bfloat16,
+                          mosaic_gpu.num_sms(toy))
+  if isinstance(cfg, str):
+    return {}
+  out = {}
+  for v in variants:
+    changed = dataclasses.replace(cfg, **VARIANTS[v])
+    if changed != cfg:
+      out[f"mxfp4_mosaic_gpu_{v}"] = changed
+  return out
+
+
+def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
+  """name -> (fn(x, *weights), which weights: "mxfp4" (packed, scale) or "bf16"); configs:
+  `variant_configs`, run through the tier module directly."""
   if grouped:
-    def sizes(x):
-      return jnp.full((EXPERTS,), x.shape[0] // EXPERTS, jnp.int32)
     return {
         "mxfp4_mosaic_gpu": (lambda x, p, s: op.mxfp4_ragged_dot(
             x, p, s, sizes(x), impl="mosaic_gpu", interpret=toy), "mxfp4"),
+        **{name: (functools.partial(
+            lambda x, p, s, cfg: mosaic_gpu.ragged_dot(x, p, s, sizes(x), interpret=toy,
+                                                       config=cfg), cfg=cfg), "mxfp4")
+           for name, cfg in configs.items()},
         "mxfp4_reference": (lambda x, p, s: op.mxfp4_ragged_dot(
             x, p, s, sizes(x), impl="reference"), "mxfp4"),
         "bf16_ragged_dot": (lambda x, w_t: grouped_gemm.ragged_dot(x, w_t, sizes(x)), "bf16"),
@@ -105,13 +138,19 @@ def implementations(grouped: bool, toy: bool) -> dict:
   return {
       "mxfp4_mosaic_gpu": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="mosaic_gpu",
                                                            interpret=toy), "mxfp4"),
+      **{name: (functools.partial(
+          lambda x, p, s, cfg: mosaic_gpu.matmul(x, p, s, interpret=toy, config=cfg),
+          cfg=cfg), "mxfp4") for name, cfg in configs.items()},
       "mxfp4_reference": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="reference"), "mxfp4"),
       "bf16_xla": (lambda x, w: jnp.dot(x, w.T), "bf16"),
   }
 
 
-def tier(name: str, x, packed, scale, grouped: bool, toy: bool) -> tuple[str, str]:
+def tier(name: str, x, packed, scale, grouped: bool, toy: bool,
+         configs: dict) -> tuple[str, str]:
   """(tier that runs, its config or refusals) for a row."""
+  if name in configs:
+    return "mosaic_gpu", str(configs[name])
   if name == "bf16_ragged_dot":
     w_t = jax.ShapeDtypeStruct((EXPERTS, x.shape[1], packed.shape[1]), jnp.bfloat16)
     gs = jax.ShapeDtypeStruct((EXPERTS,), jnp.int32)
@@ -134,7 +173,7 @@ def tier(name: str, x, packed, scale, grouped: bool, toy: bool) -> tuple[str, st
 
 
 def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
-              copy: float | None) -> list[dict]:
+              copy: float | None, variants: list[str]) -> list[dict]:
   g = EXPERTS if grouped else 1
   x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
   copies = weight_copies(g, n, k, toy)
@@ -146,9 +185,10 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
               commit=common.code_commit(), versions=common.versions(),
               group_sizes=f"equal, M/{EXPERTS} rows" if grouped else "one group",
               **{"pass": "fwd"})
+  configs = variant_configs(m, k, n, grouped, toy, variants)
   outputs, records = {}, []
-  for name, (fn, kind) in implementations(grouped, toy).items():
-    ran, note = tier(name, x, *sets["mxfp4"][0], grouped, toy)
+  for name, (fn, kind) in implementations(grouped, toy, configs).items():
+    ran, note = tier(name, x, *sets["mxfp4"][0], grouped, toy, configs)
     rec = dict(base, implementation=name, tier=ran, note=note)
     records.append(rec)
     if name == "mxfp4_mosaic_gpu" and ran != "mosaic_gpu":
@@ -157,8 +197,12 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
     jitted = jax.jit(fn)
     if toy:
       ms = common.time_jax_once(jitted, x, *sets[kind][0])
+      rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
     else:
-      ms = time_rotating(jitted, x, sets[kind], reps=30, calls=10)
+      calls = max(TRACED_CALLS, len(sets[kind]))
+      ms = common.device_ms_cycling(jitted, [(x, *w) for w in sets[kind]], reps=calls)
+      rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls",
+                 wall_ms=round(wall_rotating(jitted, x, sets[kind], reps=10, calls=10), 4))
     outputs[name] = jitted(x, *sets[kind][0]).astype(jnp.float32)
     weight_bytes = mxfp4_bytes(g, n, k) if kind == "mxfp4" else g * n * k * 2
     tf = 2 * m * k * n / (ms * 1e-3) / 1e12
@@ -169,36 +213,40 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
                copy_fraction=None if copy is None else round(tbps / copy, 3))
     print(f"{base['op']:16s} M{m:<5d} K{k} N{n} {name:18s} {ms:9.4f} ms {tf:8.2f} TFLOP/s "
           f"{tbps:6.3f} TB/s weights  [{ran}] {note}", flush=True)
-  ours = next(r for r in records if r["implementation"] == "mxfp4_mosaic_gpu")
   peer = next((r for r in records if r["implementation"] in ("bf16_xla", "bf16_ragged_dot")
                and r.get("median_ms")), None)
-  if ours.get("median_ms") and peer:
+  ref = outputs["mxfp4_reference"]
+  for ours in records:
+    if not (ours["implementation"].startswith("mxfp4_mosaic_gpu") and ours.get("median_ms")
+            and peer):
+      continue
     ours["speedup_vs_bf16"] = peer["median_ms"] / ours["median_ms"]
-    ref = outputs["mxfp4_reference"]
-    ours["rel_l2_vs_reference"] = float(jnp.linalg.norm(outputs["mxfp4_mosaic_gpu"] - ref)
+    ours["rel_l2_vs_reference"] = float(jnp.linalg.norm(outputs[ours["implementation"]] - ref)
                                         / jnp.linalg.norm(ref))
-    print(f"  ours / {peer['implementation']}: {ours['speedup_vs_bf16']:.2f}x, relative L2 vs "
-          f"the reference {ours['rel_l2_vs_reference']:.1e}", flush=True)
+    print(f"  {ours['implementation']} / {peer['implementation']}: "
+          f"{ours['speedup_vs_bf16']:.2f}x, relative L2 vs the reference "
+          f"{ours['rel_l2_vs_reference']:.1e}", flush=True)
   return records
 
 
 def main(argv):
   del argv
   toy = _TOY.value
+  if unknown := set(_VARIANTS.value) - set(VARIANTS):
+    raise app.UsageError(f"--variants: unknown {sorted(unknown)}, choose from {list(VARIANTS)}")
   peak, peak_source = flops.peak_flops_per_device()
-  copy = None if toy else copy_tbps()
+  copy = None if toy else common.copy_tbps()
   print(f"device {common.device_name()}: peak {peak / 1e12:.0f} TFLOP/s ({peak_source}), copy "
         f"{copy if copy is None else round(copy, 2)} TB/s", flush=True)
-  records = []
   for k, n in TOY_KN if toy else K3_KN:
-    for m in TOY_DENSE_M if toy else DENSE_M:
-      records += run_shape(m, k, n, False, toy, peak, copy)
-    for m in TOY_GROUPED_M if toy else GROUPED_M:
-      records += run_shape(m, k, n, True, toy, peak, copy)
-  for r in records:
-    r.update(peak_tflops=round(peak / 1e12, 1), peak_source=peak_source,
-             copy_tbps=None if copy is None else round(copy, 3))
-  common.merge_records(_OUT.value, records, KEY_FIELDS)
+    points = ([(m, False) for m in (TOY_DENSE_M if toy else DENSE_M)]
+              + [(m, True) for m in (TOY_GROUPED_M if toy else GROUPED_M)])
+    for m, grouped in points:
+      records = run_shape(m, k, n, grouped, toy, peak, copy, _VARIANTS.value)
+      for r in records:
+        r.update(peak_tflops=round(peak / 1e12, 1), peak_source=peak_source,
+                 copy_tbps=None if copy is None else round(copy, 3))
+      common.merge_records(_OUT.value, records, KEY_FIELDS)   # a run cut short keeps its rows
 
 
 if __name__ == "__main__":

@@ -84,19 +84,26 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
   run_module("benchmarks.mxfp4_matmul", "--toy", f"--out={out}")
   recs = records(out)
   rows = {(r["op"], r["shape"]["M"], r["implementation"]) for r in recs}
+  ours = ("mxfp4_mosaic_gpu", "mxfp4_mosaic_gpu_full_x", "mxfp4_mosaic_gpu_select")
   assert rows == {("mxfp4_matmul", m, impl) for m in (16, 72)
-                  for impl in ("mxfp4_mosaic_gpu", "mxfp4_reference", "bf16_xla")} | {
+                  for impl in ours + ("mxfp4_reference", "bf16_xla")} | {
                       ("mxfp4_ragged_dot", 16, impl)
-                      for impl in ("mxfp4_mosaic_gpu", "mxfp4_reference", "bf16_ragged_dot")}
+                      for impl in ours + ("mxfp4_reference", "bf16_ragged_dot")}
   for r in recs:
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and "jax" in r["versions"]
+    assert r["timing"].startswith("wall")
     g, k, n = r["shape"]["G"], r["shape"]["K"], r["shape"]["N"]
     bits = 16 if r["implementation"].startswith("bf16") else 4.25
     assert r["weight_bytes"] == g * n * k * bits / 8
   for r in recs:
-    if r["implementation"] == "mxfp4_mosaic_gpu":
+    if r["implementation"] in ours:
       assert r["tier"] == "mosaic_gpu" and "Config(" in r["note"], r
-      assert r["speedup_vs_bf16"] > 0 and r["rel_l2_vs_reference"] < 1e-2
+      assert r["speedup_vs_bf16"] > 0
+    if r["implementation"] == "mxfp4_mosaic_gpu_full_x":
+      assert "x_rows=None" in r["note"] and r["rel_l2_vs_reference"] < 1e-2
+    if r["implementation"] == "mxfp4_mosaic_gpu":
+      assert "x_rows=" in r["note"] and "x_rows=None" not in r["note"], r
+      assert r["rel_l2_vs_reference"] < 1e-2
 
 def costs_records(module: str, tmp_path) -> list[dict]:
   """The records of a *_costs diagnostic run at its toy shape in the interpreter."""
@@ -197,3 +204,20 @@ def test_device_ms_refuses_a_run_without_device_timeline():
     pytest.skip("the refusal is for CPU runs")
   with pytest.raises(RuntimeError, match="no device timeline"):
     common.device_ms(jax.jit(lambda a: a + 1), jnp.ones(3), reps=2)
+
+
+def test_decode_attention_benchmark_times_every_tier_in_the_interpreters(tmp_path):
+  out = tmp_path / "decode.json"
+  run_module("benchmarks.decode_attention", "--toy", f"--out={out}")
+  recs = records(out)
+  impls = ("reference", "xla", "mosaic_gpu", "mosaic_tpu")
+  assert {(r["shape"]["B"], r["shape"]["length"], r["implementation"]) for r in recs} == {
+      (b, n, impl) for b in (1, 2) for n in (256, 32) for impl in impls}
+  for r in recs:
+    shape = r["shape"]
+    assert r["tier"] == r["implementation"] and r["median_ms"] > 0, r
+    assert r["timing"] == "wall_once" and r["commit"] and "jax" in r["versions"]
+    assert r["bytes_read"] == shape["B"] * (shape["length"] * shape["Dk"] * 2 + shape["T"]
+                                            * shape["H"] * (shape["Dk"] + shape["Dv"]) * 2)
+    if r["implementation"] != "reference":
+      assert r["max_err_vs_reference"] < 1e-2, r

@@ -14,10 +14,12 @@ products accumulate in fp32.
 
 Tiers ("impl"): "reference" (`k3jax.mx.unpack_k3` then `jnp.dot` / `jax.lax.ragged_dot`, any
 platform), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
-(`mosaic_tpu.py`, imported when asked for). impl=None is the platform default, the reference
-everywhere for now: a kernel joins the default only after its tests pass on its hardware, so
-mosaic_gpu becomes the Hopper default once tests/pallas_kernels/test_mxfp4_matmul_gpu.py passes
-on the H200, and mosaic_tpu once its tests run on a TPU. A named kernel that declines a call
+(`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
+(`default_impls`): a kernel joins it only after its tests pass on its hardware and where it is
+the faster tier. On Hopper that is mosaic_gpu for `mxfp4_ragged_dot` (GPU tests 21/21 on the
+H200, 2026-12-02; 1.6-3.7x the reference at 8 experts, M 16-4096) and the reference for
+`mxfp4_matmul` (the kernel is slower than unpack-then-cuBLAS at M = 1 and 4096); mosaic_tpu
+joins once its tests run on a TPU. A named kernel that declines a call
 (`supports_*` gives the reason) falls through to the reference (fail closed); `plan` /
 `plan_ragged_dot` return the choice and every reason. `interpret=True` runs the kernel tiers
 in their interpreters (CPU tests).
@@ -43,15 +45,17 @@ BLOCK = 32
 Plan = tiers.Plan
 
 
-def default_impls() -> tuple[str, ...]:
-  """Tier order for impl=None: the reference on every platform until a kernel's tests pass on
-  its hardware (mosaic_gpu has run only in the Mosaic GPU interpreter and CUDA lowering)."""
+def default_impls(grouped: bool) -> tuple[str, ...]:
+  """Tier order for impl=None: mosaic_gpu then the reference for the grouped op on Hopper
+  (BENCHMARKS.md "MXFP4 matmul"), the reference otherwise."""
+  if grouped and _tier("mosaic_gpu").is_hopper():
+    return ("mosaic_gpu", "reference")
   return ("reference",)
 
 
-def _order(impl: str | None) -> tuple[str, ...]:
+def _order(impl: str | None, grouped: bool) -> tuple[str, ...]:
   if impl is None:
-    return default_impls()
+    return default_impls(grouped)
   if impl not in IMPLS:
     raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
   return (impl,) if impl == "reference" else (impl, "reference")
@@ -104,7 +108,7 @@ def _plan(x, w_packed, w_scale, group_sizes, preferred_element_type, impl, inter
                                     preferred_element_type=preferred_element_type,
                                     interpret=interpret)
 
-  return tiers.first_supported(_order(impl), reason_of, interpret)
+  return tiers.first_supported(_order(impl, group_sizes is not None), reason_of, interpret)
 
 
 def plan(x, w_packed, w_scale, *, preferred_element_type=None, impl: str | None = None,

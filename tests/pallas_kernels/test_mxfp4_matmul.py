@@ -7,8 +7,11 @@ The oracle's table (`mxfp4_testing.py`) is written out from the E2M1 spec (k3_te
 kernel's pipeline, wgmma and stores, but not its two `inline_mgpu` loads (int4 view of the
 packed bytes, scale column), which the CUDA lowering covers and the GPU tests run.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -88,6 +91,16 @@ def test_kernel_bit_formulas_cover_every_code_and_scale():
   assert np.isnan(np.asarray(jnp.asarray(scale[255], jnp.uint16).view(jnp.bfloat16), np.float32))
 
 
+def test_shift_bits_are_the_values_times_2_to_the_minus_126():
+  """`e2m1_scaled_bits` (dequant="shift") for the 16 codes, as bits, against the table's values
+  times 2^-126 rounded by ml_dtypes in numpy (0.5 -> the subnormal 0x0040, -0 -> 0x8000)."""
+  codes = jnp.asarray((np.arange(16) ^ 8) - 8, jnp.int16)
+  bits = np.asarray(mosaic_gpu.e2m1_scaled_bits(codes)).view(np.uint16)
+  want = (np.asarray(NIBBLE, np.float64) * 2.0 ** -126).astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(bits, want.view(np.uint16))
+  assert list(bits[[1, 8, 9]]) == [0x0040, 0x8000, 0x8040]
+
+
 def test_mosaic_gpu_reads_every_code_exactly():
   """x = I [K, K]: the fp32 output is W^T, every element (all 16 codes in both nibbles, 51
   scales) through the interpreter's dequantization, SMEM tiles and wgmma; K split in 2."""
@@ -123,6 +136,9 @@ RAGGED_CASES = {
     # decode tiles with K split in 2 and a 2-slot ring: a one-row group, an empty last group,
     # rows 20-23 past the sum
     "split": (24, (10, 1, 9, 0), mosaic_gpu.Config(block_m=64, block_n=64, stages=2, split_k=2)),
+    # the same with x_rows: every tile loads x's 24 rows from row 0
+    "x_rows": (24, (10, 1, 9, 0), mosaic_gpu.Config(block_m=64, block_n=64, stages=2, split_k=2,
+                                                    x_rows=24)),
 }
 
 
@@ -175,7 +191,8 @@ def test_gradient_with_respect_to_x():
 def test_plan_defaults_and_falls_through_with_reasons():
   x = activations(0, 16, 512)
   packed, scale = weights(0, 128, 512)
-  assert default_impls() == ("reference",)
+  assert default_impls(grouped=False) == ("reference",)
+  assert default_impls(grouped=True) == ("reference",)  # not Hopper here
   p = plan(x, packed, scale)
   assert p.impl == "reference" and not p.declined
   assert plan(x, packed, scale, impl="mosaic_gpu", interpret=True).impl == "mosaic_gpu"
@@ -256,6 +273,7 @@ def test_config_fits_and_kernel_lowers_for_hopper(monkeypatch, m, k, n, g):
   monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
   cfg = mosaic_gpu.config(m, k, n, g, jnp.bfloat16, 132)
   assert isinstance(cfg, mosaic_gpu.Config), cfg
+  assert cfg.x_rows == (-(-m // 8) * 8 if m < cfg.block_m else None), cfg
   assert mosaic_gpu.smem_bytes(cfg, jnp.bfloat16) <= mosaic_gpu.SMEM_BYTES
   if m <= mosaic_gpu.SMALL_M and g == 1:
     units = n // (2 * cfg.block_n) * cfg.split_k
@@ -270,4 +288,28 @@ def test_config_fits_and_kernel_lowers_for_hopper(monkeypatch, m, k, n, g):
     fn = lambda x, p, sc: mosaic_gpu.matmul(x, p, sc)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("m", [16, 4096])
+def test_select_dequant_and_full_x_lower_for_hopper(monkeypatch, m):
+  """The benchmark's variants: dequant="select" and x_rows=None (x loaded as block_m rows)."""
+  monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
+  k, n = 3584, 3072
+  cfg = dataclasses.replace(mosaic_gpu.config(m, k, n, 1, jnp.bfloat16, 132), dequant="select",
+                            x_rows=None)
+  s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  fn = lambda x, p, sc: mosaic_gpu.matmul(x, p, sc, config=cfg)
+  args = (s(m, k), s(n, k // 2, dtype=jnp.uint8), s(n, k // 32, dtype=jnp.uint8))
+  assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bad_configs_are_refused():
+  x = activations(0, 20, 512)
+  packed, scale = weights(0, 128, 512)
+  for cfg, reason in ((mosaic_gpu.Config(block_m=64, block_n=64, x_rows=16), "x_rows=16"),
+                      (mosaic_gpu.Config(block_m=64, block_n=64, x_rows=72), "x_rows=72"),
+                      (mosaic_gpu.Config(block_m=64, block_n=64, dequant="lut"), "dequant")):
+    got = mosaic_gpu.supports_matmul(x, packed, scale, interpret=True, config=cfg)
+    assert got is not None and reason in got, got
 

@@ -1,12 +1,16 @@
 """The MXFP4 matmul's Mosaic GPU kernel on a Hopper GPU (skipped elsewhere) against the reference.
 
 First what the CPU tests cannot run: the kernel's inline Mosaic GPU loads (the packed bytes as
-int4, the scale column) read every code and scale exactly (x = I), and a NaN scale byte. Then
+int4, the scale column) read every code and scale exactly (x = I), also with dequant="select"
+(its subnormal intermediate needs the GPU's bf16 multiply; XLA:CPU flushes it), and a NaN scale
+byte. Then
 the K3 expert shapes (K, N) = (3584, 3072) and (3072, 3584) at M = 1, 16, 64 and 4096, dense
 and grouped over 8 experts (uneven sizes, an empty expert, rows past the groups), fp32 output
 against the reference (`k3jax.mx.unpack_k3` + XLA, bf16 operands, fp32 sums) and bf16 output.
 The plan must pick mosaic_gpu when asked, so a silent fall-through fails.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +51,20 @@ def test_reads_every_code_and_scale_exactly(m):
   x = jnp.eye(m, k, dtype=jnp.bfloat16)
   out = mxfp4_matmul(x, jnp.asarray(packed), jnp.asarray(scale), impl="mosaic_gpu",
                      preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:m])
+
+
+@pytest.mark.parametrize("m", [512, 16])
+def test_select_dequant_reads_every_code_and_scale_exactly(m):
+  """dequant="select" (the benchmark's variant): x = rows of I, out = W^T exactly (every code in
+  both nibbles, scales 100-150)."""
+  n, k = 256, 512
+  packed, scale = every_code(n, k, seed=m + 1)
+  x = jnp.eye(m, k, dtype=jnp.bfloat16)
+  cfg = mosaic_gpu.config(m, k, n, 1, jnp.float32, mosaic_gpu.num_sms(False))
+  out = mosaic_gpu.matmul(x, jnp.asarray(packed), jnp.asarray(scale),
+                          preferred_element_type=jnp.float32,
+                          config=dataclasses.replace(cfg, dequant="select"))
   np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:m])
 
 
