@@ -10,8 +10,8 @@ reason, not timed, and a tier that fails with its error. Time: device millisecon
 a profiler trace (`common.device_ms_cycling`: a decode call is shorter than JAX's dispatch of
 it), the caches cycling through copies so that the calls' filled bytes exceed twice the L2.
 Each record has the bytes a call must read (the filled cache rows B * length * Dk * 2, plus q and
-o), the floor `bytes / copy rate` with the device-to-device copy rate measured in the same run
-(bytes read + written per second of a 1 GiB copy), floor_fraction = floor / time, and the
+o), the floor `bytes / copy rate` with the copy rate measured in the same run
+(`common.copy_tbps`, bytes read + written per second), floor_fraction = floor / time, and the
 largest error against the reference relative to its largest |o|. Records are merged into
 `--out` after each (B, S, H).
 

@@ -23,8 +23,8 @@ shorter than JAX's dispatch (~0.07 ms) timed by wall clock measures the dispatch
 the median wall-clock ms of back-to-back calls (`common.time_jax`'s method) beside it. Each
 record has TFLOP/s (2 M K N) and its fraction of the spec peak
 (`k3jax.flops.peak_flops_per_device`), the weight bytes read per call (MXFP4: 4.25 bits a
-weight, packed + scales; bf16: 16) in TB/s and its fraction of a device-to-device copy of
-1 GiB timed the same way (bytes read + written), and for our kernels the speedup over bf16 XLA
+weight, packed + scales; bf16: 16) in TB/s and its fraction of the copy rate
+(`common.copy_tbps`, bytes read + written), and for our kernels the speedup over bf16 XLA
 (dense) or the bf16 grouped GEMM (grouped).
 
   python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json [--variants=select]

@@ -323,10 +323,70 @@ def mla_attention(root: pathlib.Path) -> str:
   return f"{table}\n\n{res.caption(recs)}"
 
 
+def _copy_rate(records: list[Record], lead: str) -> str:
+  """A sentence `lead` + the copy rates the records' fractions are taken against and their
+  sources; "" when no record has one."""
+  rates = {(r["copy_tbps"], r.get("copy_source")) for r in records if r.get("copy_tbps")}
+  if not rates:
+    return ""
+  return lead + " and ".join(f"{rate} TB/s: {source or 'measured in the run'}"
+                             for rate, source in sorted(rates, key=str)) + ". "
+
+
+def mxfp4_matmul(root: pathlib.Path) -> str:
+  """Our MXFP4 kernel (default and `select` dequantization) against the reference and bf16."""
+  res = Results(root, "mxfp4_h200.json")
+  recs = [r for op in ("mxfp4_matmul", "mxfp4_ragged_dot") for r in res.current(op)
+          if r.get("median_ms")]
+  column = lambda r: "bf16" if r["implementation"] in ("bf16_xla", "bf16_ragged_dot") else (
+      r["implementation"])
+  cols = ["mxfp4_mosaic_gpu", "mxfp4_mosaic_gpu_select", "mxfp4_reference", "bf16"]
+  keep = [r for r in recs if column(r) in cols]
+  row_of = lambda r: f"`{r['op']}` {_shape(r['shape'])}"
+  dense_first = sorted(keep, key=lambda r: r["op"] != "mxfp4_matmul")
+  rows = list(dict.fromkeys(row_of(r) for r in dense_first))
+  at = {(row_of(r), column(r)): r for r in keep}
+  body = []
+  for row in rows:
+    cells = [f"{at[row, c]['median_ms'] * 1e3:.1f}" if (row, c) in at else "" for c in cols]
+    ours, bf16 = at.get((row, "mxfp4_mosaic_gpu")), at.get((row, "bf16"))
+    cells.append(f"{bf16['median_ms'] / ours['median_ms']:.2f}" if ours and bf16 else "")
+    cells.append(f"{ours['weight_tbps']:.2f} ({ours['copy_fraction']:.0%})"
+                 if ours and ours.get("copy_fraction") is not None else "")
+    body.append([row] + cells)
+  header = ["us per call (device time)", "ours (default, dequant `shift`)", "ours, `select`",
+            "reference (unpack + XLA)", "bf16 XLA / bf16 grouped GEMM", "ours / bf16",
+            "ours: weights TB/s (of copy)"]
+  return f"{_table(header, body)}\n\n{_copy_rate(keep, 'Copy rate ')}{res.caption(keep)}"
+
+
+def decode_attention(root: pathlib.Path) -> str:
+  """The decode attention tiers by (B, H, S, filled length), mosaic_gpu against its floor."""
+  res = Results(root, "decode_attention_h200.json")
+  keep = [r for r in res.current("decode_attention") if r.get("median_ms")
+          and r["implementation"] in ("reference", "xla", "mosaic_gpu")]
+  shape_of = lambda r: tuple(r["shape"][k] for k in ("B", "H", "S", "length"))
+  at = {(shape_of(r), r["implementation"]): r for r in keep}
+  body = []
+  for key in sorted({shape_of(r) for r in keep}, key=lambda k: (*k[:3], -k[3])):
+    b, h, s, length = key
+    cells = [f"{at[key, i]['median_ms']:.3f}" if (key, i) in at else ""
+             for i in ("reference", "xla", "mosaic_gpu")]
+    ours = at.get((key, "mosaic_gpu"))
+    cells.append(f"{ours['floor_fraction']:.0%} ({ours['tbps']:.2f} TB/s)"
+                 if ours and ours.get("floor_fraction") is not None else "")
+    body.append([f"B {b}, H {h}, S {s}, filled {length}"] + cells)
+  header = ["ms per call (device time)", "reference", "xla", "mosaic_gpu",
+            "mosaic_gpu: floor / time (TB/s read)"]
+  floor = _copy_rate(keep, "Floor: the bytes a call must read at the copy rate, ")
+  return f"{_table(header, body)}\n\n{floor}{res.caption(keep)}"
+
+
 TABLES: dict[str, Callable[[pathlib.Path], str]] = {
     "ceilings": ceilings, "kda": kda, "kda_accuracy": kda_accuracy, "moe_gemm": moe_gemm,
     "moe_layer": moe_layer, "moe_gate_up": moe_gate_up, "top_k": top_k,
-    "train_step": train_step, "train_parts": train_parts, "mla_attention": mla_attention}
+    "train_step": train_step, "train_parts": train_parts, "mla_attention": mla_attention,
+    "mxfp4_matmul": mxfp4_matmul, "decode_attention": decode_attention}
 
 
 def fill(doc: str, tables: dict[str, str]) -> str:

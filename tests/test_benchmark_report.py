@@ -64,3 +64,59 @@ def test_every_table_of_benchmarks_md_renders_from_the_records():
   doc = (report._ROOT / "BENCHMARKS.md").read_text()
   filled = report.fill(doc, report.render())
   assert all(f"<!-- report:{name} -->" in filled for name in report.TABLES)
+
+
+def write_records(root: pathlib.Path, name: str, records: list[dict]) -> None:
+  path = root / "benchmarks" / "results" / name
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(records, indent=1))
+
+
+def test_mxfp4_matmul_table(tmp_path):
+  def mx(op, impl, m, ms, **extra):
+    groups = 8 if op == "mxfp4_ragged_dot" else 1
+    return dict(op=op, implementation=impl, shape=dict(M=m, K=64, N=32, G=groups), median_ms=ms,
+                date="2026-12-02", copy_tbps=4.0, copy_source="a table", **extra)
+  write_records(tmp_path, "mxfp4_h200.json", [
+      mx("mxfp4_ragged_dot", "mxfp4_mosaic_gpu", 16, 0.05, weight_tbps=0.8, copy_fraction=0.2),
+      mx("mxfp4_ragged_dot", "bf16_ragged_dot", 16, 0.04),
+      mx("mxfp4_matmul", "mxfp4_mosaic_gpu", 1, 0.03, weight_tbps=0.5, copy_fraction=0.12),
+      mx("mxfp4_matmul", "mxfp4_mosaic_gpu", 1, 0.02, weight_tbps=0.5, copy_fraction=0.12),
+      mx("mxfp4_matmul", "mxfp4_mosaic_gpu_select@old", 1, 0.09),
+      mx("mxfp4_matmul", "mxfp4_mosaic_gpu_select", 1, 0.025),
+      mx("mxfp4_matmul", "mxfp4_mosaic_gpu_full_x", 1, 0.07),
+      mx("mxfp4_matmul", "mxfp4_reference", 1, 0.01),
+      mx("mxfp4_matmul", "bf16_xla", 1, 0.008),
+      mx("mxfp4_matmul", "mxfp4_reference", 4096, None, error="boom"),
+  ])
+  lines = report.mxfp4_matmul(tmp_path).splitlines()
+  # The newest record of each row, dense before grouped, bf16 over ours as the speedup.
+  assert lines[2:] == [
+      "| `mxfp4_matmul` M1 K64 N32 G1 | 20.0 | 25.0 | 10.0 | 8.0 | 0.40 | 0.50 (12%) |",
+      "| `mxfp4_ragged_dot` M16 K64 N32 G8 | 50.0 |  |  | 40.0 | 0.80 | 0.80 (20%) |",
+      "",
+      "Copy rate 4.0 TB/s: a table. Recorded (benchmarks/results/mxfp4_h200.json; date measured, "
+      "commit that added it): 2026-12-02 not yet committed."]
+
+
+def test_decode_attention_table(tmp_path):
+  def dec(impl, b, h, length, ms, **extra):
+    return dict(op="decode_attention", implementation=impl, date="2026-12-02",
+                shape=dict(B=b, S=64, length=length, H=h, T=1, Dk=8, Dv=4), median_ms=ms,
+                copy_tbps=4.2, **extra)
+  write_records(tmp_path, "decode_attention_h200.json", [
+      dec("reference", 2, 8, 64, 0.5), dec("xla", 2, 8, 64, 0.25),
+      dec("mosaic_gpu", 2, 8, 64, 0.125, floor_fraction=0.8, tbps=3.36),
+      dec("mosaic_tpu", 2, 8, 64, None, note="not a TPU"),
+      dec("reference", 2, 8, 8, 0.5), dec("mosaic_gpu", 2, 8, 8, 0.0625, note="older"),
+      dec("mosaic_gpu", 2, 8, 8, 0.03, floor_fraction=0.25, tbps=1.05),
+      dec("xla", 1, 64, 64, 0.1)])
+  lines = report.decode_attention(tmp_path).splitlines()
+  # Rows by B, H, S, then the fuller row first; a declined tier shows no cell.
+  assert lines[2:6] == [
+      "| B 1, H 64, S 64, filled 64 |  | 0.100 |  |  |",
+      "| B 2, H 8, S 64, filled 64 | 0.500 | 0.250 | 0.125 | 80% (3.36 TB/s) |",
+      "| B 2, H 8, S 64, filled 8 | 0.500 |  | 0.030 | 25% (1.05 TB/s) |",
+      ""]
+  assert lines[6].startswith("Floor: the bytes a call must read at the copy rate, 4.2 TB/s: "
+                             "measured in the run. Recorded")

@@ -17,7 +17,7 @@ platform), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "
 (`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
 (`default_impls`): a kernel joins it only after its tests pass on its hardware and where it is
 the faster tier. On Hopper that is mosaic_gpu for `mxfp4_ragged_dot` (GPU tests 21/21 on the
-H200, 2026-12-02; 1.6-3.7x the reference at 8 experts, M 16-4096) and the reference for
+H200, 2026-12-02; 2.2-3.7x the reference at 8 experts, M 16-4096) and the reference for
 `mxfp4_matmul` (the kernel is slower than unpack-then-cuBLAS at M = 1 and 4096); mosaic_tpu
 joins once its tests run on a TPU. A named kernel that declines a call
 (`supports_*` gives the reason) falls through to the reference (fail closed); `plan` /
