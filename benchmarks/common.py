@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 
 def time_jax(fn: Callable, *args, warmup: int = 3, reps: int = 30,
