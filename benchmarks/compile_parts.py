@@ -9,7 +9,6 @@ HLO is one kernel, attributed to a part by its JAX name stack (`benchmarks/step_
       --config.train.global_batch_size=1 --config.train.seq_len=512
 """
 import collections
-import re
 import time
 
 import jax
@@ -28,20 +27,6 @@ from k3jax import train
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_small.py", "Config.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/compile_parts.json", "Records (JSON list).")
 
-_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+"
-                     r"(fusion|custom-call|dot|convolution)\(")
-
-
-def kernel_counts(hlo_text: str) -> dict[tuple[str, str], int]:
-  """(part, phase) -> kernels in a compiled module's text (`compiled.as_text()`)."""
-  names = step_parts.hlo_op_names(hlo_text)
-  counts = collections.Counter()
-  for line in hlo_text.splitlines():
-    if (m := _KERNEL.match(line)):
-      counts[step_parts.classify(names.get(m.group(1), ""))] += 1
-  return dict(counts)
-
-
 def main(argv):
   del argv
   cfg = config_lib.validate(_CONFIG.value)
@@ -58,7 +43,7 @@ def main(argv):
   t1 = time.perf_counter()
   text = lowered.compile().as_text()
   t2 = time.perf_counter()
-  counts = kernel_counts(text)
+  counts = step_parts.kernel_counts(text)
   by_part = collections.Counter()
   for (part, _), n in counts.items():
     by_part[part] += n

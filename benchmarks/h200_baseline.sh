@@ -30,6 +30,9 @@
 #                                                          # grouped GEMM (K3 shapes, device time)
 #   bash benchmarks/h200_baseline.sh decode_attention      # < 6 min: decode attention GPU tests, its tiers
 #                                                          # vs the bytes-read floor (H 8/64, S 4k-128k)
+#   bash benchmarks/h200_baseline.sh decode                # < 9 min: k3_small's decode loop vs its all-MLA
+#                                                          # and KDA-only twins (4k/32k/128k, B 1/16),
+#                                                          # one process per variant (DECODE_VARIANT_S)
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
@@ -224,6 +227,16 @@ PY
         --out=$OUT/decode_attention_h200.json 2>&1 | tee $OUT/decode_attention.log \
         | grep -E "device|ms|declined|failed"
       ;;
+    decode)
+      # Prefill (chunked) and decode tokens/s, time per output token, cache bytes and the
+      # bytes-moved floor per variant (benchmarks/decode.py); a process per variant, so that a
+      # slow one cannot starve the others, and records merged per context.
+      for variant in ${DECODE_VARIANTS:-hybrid all_mla kda_only}; do
+        timeout ${DECODE_VARIANT_S:-160} python3 -m benchmarks.decode --variants=$variant \
+          ${DECODE_ARGS:-} --out=$OUT/decode_h200.json 2>&1 | tee -a $OUT/decode.log \
+          | grep -E "device|tok/s|Error"
+      done
+      ;;
     train_remat)
       for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
         echo "== model.remat=$remat"
@@ -251,7 +264,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4, decode_attention,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4, decode_attention, decode,
         train_parts, train_trace)"; exit 2
       ;;
   esac

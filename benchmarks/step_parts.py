@@ -146,6 +146,20 @@ def classify(op_name: str) -> tuple[str, str]:
   return OTHER, phase
 
 
+_KERNEL_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+"
+                        r"(fusion|custom-call|dot|convolution)\(")
+
+
+def kernel_counts(hlo_text: str) -> dict[tuple[str, str], int]:
+  """(part, phase) -> kernels in a compiled module's text (`compiled.as_text()`)."""
+  names = hlo_op_names(hlo_text)
+  counts = collections.Counter()
+  for line in hlo_text.splitlines():
+    if (m := _KERNEL_OP.match(line)):
+      counts[classify(names.get(m.group(1), ""))] += 1
+  return dict(counts)
+
+
 def _exclusive_times(events: list[dict]) -> list[tuple[dict, float]]:
   """(event, its duration minus the durations of events nested in it on its thread)."""
   by_thread = collections.defaultdict(list)

@@ -18,11 +18,14 @@ from pallas_kernels import kda as kda_ops
 
 
 def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = None,
-               cache: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               cache: jax.Array | None = None, lengths: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise conv, y[t] = sum_w x[t-W+1+w] kernel[w], restarted at document starts.
 
   x: [B, T, C]; kernel: [W, C]; segment_ids: [B, T] (taps never cross a change of id);
-  cache: [B, W-1, C], the inputs before x (decode). Returns (y [B, T, C], new cache).
+  cache: [B, W-1, C], the inputs before x (decode). Returns (y [B, T, C], new cache): the last
+  W-1 inputs, or with lengths [B] the W-1 inputs ending at row b's input lengths[b] - 1 (the
+  rest of the row is right padding).
   """
   width = kernel.shape[0]
   b, t, c = x.shape
@@ -38,7 +41,11 @@ def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = 
     if segment_ids is not None and lag:
       tap = jnp.where((seg[:, w:w + t] == segment_ids)[..., None], tap, 0.0)
     y = y + tap
-  return y.astype(x.dtype), xp[:, t:]
+  if lengths is None:
+    return y.astype(x.dtype), xp[:, t:]
+  tail = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1))(
+      xp, lengths.astype(jnp.int32))
+  return y.astype(x.dtype), tail
 
 
 def forget_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, kind: str,
@@ -99,12 +106,16 @@ class KDA(nnx.Module):
     self.o_proj = proj((h, d_h, dim), ("heads", "kv", "embed"), params.fan_in_init((0, 1)))
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+               cache: dict | None = None, lengths: jax.Array | None = None
+               ) -> tuple[jax.Array, dict | None]:
     """x: [B, T, d] -> ([B, T, d], new cache or None).
 
     cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv_q"/"conv_k"/"conv_v":
-    [B, W-1, H*K]}; pass one to receive the updated one. Without a cache, under a mesh with a
-    `context` axis of size > 1 the conv and recurrence run split over it (report §5.2,
+    [B, W-1, H*K]}; pass one to receive the updated one. lengths [B] (with a cache): row b's
+    first lengths[b] tokens are its own and the rest right padding, which enters no state: its
+    log-decay g and beta are 0 (the recurrence passes the state through unchanged) and the conv
+    tails end at the row's last token. Without a cache, under a mesh with a `context` axis of
+    size > 1 the conv and recurrence run split over it (report §5.2,
     `context_parallel.kda_token_mix`).
     """
     b, t, _ = x.shape
@@ -115,13 +126,17 @@ class KDA(nnx.Module):
 
     def qkv(proj, conv, name):
       y, new = short_conv(project(proj), w(conv), segment_ids,
-                          None if cache is None else cache[name])
+                          None if cache is None else cache[name], lengths)
       return jax.nn.silu(y).reshape(b, t, h, d_h), new
 
     f = jnp.einsum("btr,rhk->bthk", x @ w(self.f_a_proj), w(self.f_b_proj))
     g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, d_h), self.gate_kind,
                     self.lower_bound)
     beta = jax.nn.sigmoid((x @ w(self.b_proj)).astype(jnp.float32))
+    if lengths is not None:
+      token = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]  # [B, T]
+      g = jnp.where(token[:, :, None, None], g, 0.0)
+      beta = jnp.where(token[:, :, None], beta, 0.0)
     gate_bound = self.lower_bound if self.gate_kind == "lower_bound" else None
     if cache is None and context_parallel.context_size() > 1:
       o = context_parallel.kda_token_mix(
@@ -154,6 +169,6 @@ class KDA(nnx.Module):
 
   def init_cache(self, batch: int) -> dict:
     c = self.q_conv1d["kernel"].shape
-    conv = jnp.zeros((batch, c[0] - 1, c[1]), self.dtype)
+    conv = lambda: jnp.zeros((batch, c[0] - 1, c[1]), self.dtype)  # three buffers (donatable)
     return {"state": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32),
-            "conv_q": conv, "conv_k": conv, "conv_v": conv}
+            "conv_q": conv(), "conv_k": conv(), "conv_v": conv()}

@@ -2,10 +2,12 @@
 
 q = W_qb RMSNorm(W_qa x) per head [nope | rope]; [c | k_rope] = W_kva x; [k_nope | v] = W_kvb
 RMSNorm(c); k = [k_nope | k_rope] with the 64 "rope" channels never rotated; causal softmax at
-scale (dn + dr)^-1/2; output W_o[sigmoid(W_g x) * o]. Training and prefill expand K/V per head;
-decoding uses the absorbed form over the 576-value latent cache [RMSNorm(c) | k_rope].
+scale (dn + dr)^-1/2; output W_o[sigmoid(W_g x) * o]. Training expands K/V per head; prefill
+into the cache and decoding use the absorbed form over the 576-value latent cache
+[RMSNorm(c) | k_rope].
 Training attention is `pallas_kernels.attention` (flash attention tiers; the written-out form is
-its reference tier), which also returns each head's max logit for QK-Clip.
+its reference tier), which also returns each head's max logit for QK-Clip; decoding is
+`pallas_kernels.decode_attention`, which reads only the filled part of the cache.
 """
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from k3jax import context_parallel
 from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import attention as attention_op
+from pallas_kernels import decode_attention as decode_op
 
 
 def expand_latent(lat: jax.Array, w_kv: jax.Array, kr: int, dn: int
@@ -32,13 +35,16 @@ class GatedMLA(nnx.Module):
   def __init__(self, dim: int, *, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                use_output_gate: bool, lora_norm_eps: float, rngs: nnx.Rngs,
-               dtype=jnp.float32, param_dtype=jnp.float32, attention_impl: str = ""):
-    """attention_impl: `pallas_kernels.attention` tier ("" = the platform default)."""
+               dtype=jnp.float32, param_dtype=jnp.float32, attention_impl: str = "",
+               decode_attention_impl: str = ""):
+    """attention_impl, decode_attention_impl: `pallas_kernels.attention` and
+    `pallas_kernels.decode_attention` tiers ("" = the platform default)."""
     h, dn, dr, dv = num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.num_heads, self.dn, self.dr, self.dv, self.kr = h, dn, dr, dv, kv_lora_rank
     self.eps, self.dtype, self.q_lora_rank = lora_norm_eps, dtype, q_lora_rank
     self.scale = (dn + dr) ** -0.5
     self.attention_impl = attention_impl or None
+    self.decode_attention_impl = decode_attention_impl or None
     lin = params.fan_in_init((0,))
     proj = lambda shape, axes, init=lin: nnx.Dict(kernel=params.param(rngs, init, shape, axes, param_dtype))
     scale = lambda n, ax: nnx.Dict(scale=params.param(rngs, params.ones_init, (n,), (ax,)))
@@ -98,22 +104,24 @@ class GatedMLA(nnx.Module):
           return_max_logit=True, impl=self.attention_impl)
     return self._output(x, o), max_logit
 
-  def decode(self, x: jax.Array, cache: jax.Array, cache_mask: jax.Array
-             ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed MLA over the latent cache (MQA with 576-dim keys, 512-dim values).
+  def decode(self, x: jax.Array, cache: jax.Array, lengths: jax.Array, positions: jax.Array
+             ) -> jax.Array:
+    """Absorbed MLA over the filled latent cache (MQA with kr+dr = 576-dim keys, kr = 512-dim
+    values: the first kr channels of the same rows), `pallas_kernels.decode_attention`.
 
-    x: [B, T, d] new tokens; cache: [B, S, kr+dr] latents of the S visible past tokens
-    (including the new ones, already written); cache_mask: [B, 1, T, S] bool.
+    x: [B, T, d] new tokens; cache: [B, S, kr+dr] latents, the new tokens' already written;
+    lengths: [B] filled positions of each row (positions >= lengths[b] are never attended);
+    positions: [B, T] the new tokens' positions (each sees the positions <= its own).
     score_h = (W_UK,h^T q_nope,h) . c + q_rope,h . k_rope;  o_h = W_UV,h (sum_s p_s c_s).
+    The absorbed query is cast to the cache's dtype (bf16 operands for a bf16 model).
     """
     x = x.astype(self.dtype)
     q = self._query(x).astype(jnp.float32)
     wkv = self.kv_b_proj["kernel"][...].astype(jnp.float32)  # [kr, H, dn+dv]
     q_abs = jnp.einsum("bthn,rhn->bthr", q[..., :self.dn], wkv[..., :self.dn])
     q_cat = jnp.concatenate([q_abs, q[..., self.dn:]], axis=-1)
-    s = jnp.einsum("bthc,bsc->bhts", q_cat, cache.astype(jnp.float32)) * self.scale
-    s = jnp.where(cache_mask, s, jnp.finfo(jnp.float32).min)
-    p = jnp.where(cache_mask, jax.nn.softmax(s, axis=-1), 0.0)
-    o_lat = jnp.einsum("bhts,bsr->bthr", p, cache[..., :self.kr].astype(jnp.float32))
-    o = jnp.einsum("bthr,rhv->bthv", o_lat, wkv[..., self.dn:])
+    o_lat = decode_op.decode_attention(q_cat.astype(cache.dtype), cache, lengths, v_dim=self.kr,
+                                       scale=self.scale, q_positions=positions,
+                                       impl=self.decode_attention_impl)
+    o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(jnp.float32), wkv[..., self.dn:])
     return self._output(x, o)

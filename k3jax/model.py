@@ -127,6 +127,7 @@ class DecoderLayer(nnx.Module):
     gate_up_impl = (kernels.gate_up_impl if kernels else "") or None
     gate_up_train = kernels.gate_up_train if kernels else "kernel"
     attention_impl = kernels.attention_impl if kernels else ""
+    decode_attention_impl = kernels.decode_attention_impl if kernels else ""
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     dt, pdt = config_lib.dtype(cfg.dtype), config_lib.dtype(cfg.param_dtype)
     self.kind, self.is_moe = layer_kinds(cfg)[index]
@@ -147,7 +148,8 @@ class DecoderLayer(nnx.Module):
                                 qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
                                 use_output_gate=a.use_output_gate, lora_norm_eps=a.lora_norm_eps,
                                 rngs=rngs, dtype=dt, param_dtype=pdt,
-                                attention_impl=attention_impl)
+                                attention_impl=attention_impl,
+                                decode_attention_impl=decode_attention_impl)
     if self.is_moe:
       e = cfg.moe
       self.block_sparse_moe = LatentMoE(
@@ -172,7 +174,8 @@ class DecoderLayer(nnx.Module):
 
   def token_mixer(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
                   cache: dict | None = None) -> tuple[jax.Array, dict[str, Any], dict | None]:
-    """Norm then KDA or gated MLA. With `cache` (inference), also returns the updated cache."""
+    """Norm then KDA or gated MLA. With `cache` (inference), also returns the updated cache;
+    segment_ids [B, T] then marks each row's tokens (1) and its right padding (0)."""
     with jax.named_scope("norm"):
       h = self.input_layernorm(x)
     with jax.named_scope(self.kind):
@@ -180,18 +183,23 @@ class DecoderLayer(nnx.Module):
     return checkpoint_name(y, "mixer_out"), aux, new_cache
 
   def _mix_tokens(self, h, segment_ids, positions, cache):
-    if self.kind == "kda":
-      y, new_cache = self.self_attn(h, segment_ids=None if cache else segment_ids, cache=cache)
-      return y, {}, new_cache
     if cache is None:
+      if self.kind == "kda":
+        return self.self_attn(h, segment_ids=segment_ids)[0], {}, None
       y, max_logit = self.self_attn(h, segment_ids=segment_ids, positions=positions)
       return y, {"mla_max_logit": max_logit}, None
-    latent = jax.lax.dynamic_update_slice_in_dim(
-        cache["latent"], self.self_attn.latent(h).astype(cache["latent"].dtype),
-        positions[0, 0], axis=1)
-    slots = jnp.arange(latent.shape[1], dtype=jnp.int32)
-    mask = (slots[None, None, None, :] <= positions[:, None, :, None])
-    return self.self_attn.decode(h, latent, mask), {}, {"latent": latent}
+    lengths = jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)  # each row's own tokens
+    if self.kind == "kda":
+      y, new_cache = self.self_attn(h, cache=cache, lengths=lengths)
+      return y, {}, new_cache
+    # Row b's T latents at its positions (its padding too: later tokens overwrite it, and
+    # attention reads only the filled positions < positions[b, 0] + lengths[b]).
+    latent = jax.vmap(lambda c, new, start: jax.lax.dynamic_update_slice_in_dim(
+        c, new, start, axis=0))(cache["latent"],
+                                self.self_attn.latent(h).astype(cache["latent"].dtype),
+                                positions[:, 0])
+    y = self.self_attn.decode(h, latent, positions[:, 0] + lengths, positions)
+    return y, {}, {"latent": latent}
 
   def init_cache(self, batch: int, max_len: int) -> dict:
     """KDA: recurrent state + conv caches; MLA: the latent cache [B, max_len, kr + dr]."""
@@ -332,16 +340,26 @@ class K3ForCausalLM(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                    positions: jax.Array | None = None, cache: dict | None = None
+                    positions: jax.Array | None = None, cache: dict | None = None,
+                    lengths: jax.Array | None = None
                     ) -> tuple[jax.Array, dict[str, Any], dict | None]:
     """tokens [B, T] -> (final normed hidden [B, T, d], aux per layer index, new cache).
 
-    With `cache` (from `init_cache`), the T tokens continue the cached sequence at
-    `cache["index"]` (prefill or decode) and the updated cache is returned; else None.
+    With `cache` (from `init_cache`), row b's tokens continue its cached sequence at position
+    `cache["index"][b]` (prefill or decode) and the updated cache is returned; else None.
+    lengths [B] int (with a cache; default T): row b's first lengths[b] tokens are its own, the
+    rest right padding that enters no KDA state and no attended latent; its index advances by
+    lengths[b]. The latent cache needs index[b] + T <= S slots. A cached call (inference,
+    never differentiated) is not rematerialised.
     """
     b, t = tokens.shape
+    if lengths is not None and cache is None:
+      raise ValueError("lengths applies to a cached call only (pass cache=)")
     if cache is not None:
-      positions = cache["index"] + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+      positions = cache["index"][:, None] + steps
+      lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+      segment_ids = (steps < lengths[:, None]).astype(jnp.int32)
     if segment_ids is None:
       segment_ids = jnp.ones((b, t), jnp.int32)
     if positions is None:
@@ -351,16 +369,17 @@ class K3ForCausalLM(nnx.Module):
       x, aux, layers, units = self._unrolled(x, segment_ids, positions, cache)
     else:
       x, aux, layers, units = self._scanned(x, segment_ids, positions, cache)
-    new_cache = None if cache is None else {"index": cache["index"] + t, "layers": layers,
-                                            "units": units}
+    new_cache = None if cache is None else {"index": cache["index"] + lengths,
+                                            "layers": layers, "units": units}
     return self.norm(x), aux, new_cache
 
   def _unrolled(self, x, segment_ids, positions, cache):
     """Every layer in a Python loop; Block AttnRes keeps its blocks in a list."""
     layer_caches = [None] * len(self.layers) if cache is None else cache["layers"]
+    policy = self.remat if cache is None else "none"
     aux, new_caches = {}, []
     if self.block_size:
-      fn = remat(attn_res_layer, self.remat, static_argnums=(5,))
+      fn = remat(attn_res_layer, policy, static_argnums=(5,))
       blocks, partial = [], x
       for i, (layer, lc) in enumerate(zip(self.layers, layer_caches)):
         blocks, partial, aux[i], lc = fn(layer, blocks, partial, segment_ids, positions,
@@ -370,7 +389,7 @@ class K3ForCausalLM(nnx.Module):
         x = attn_res.mix(blocks + [partial], self.output_attn_res_norm,
                          self.output_attn_res_proj, self.cfg.rms_norm_eps)
     else:
-      fn = remat(residual_layer, self.remat)
+      fn = remat(residual_layer, policy)
       for i, (layer, lc) in enumerate(zip(self.layers, layer_caches)):
         x, aux[i], lc = fn(layer, x, segment_ids, positions, lc)
         new_caches.append(lc)
@@ -380,7 +399,7 @@ class K3ForCausalLM(nnx.Module):
     """The irregular layers unrolled around one `lax.scan` over the units of `self.plan`."""
     plan, n_layers = self.plan, len(self.layers)
     outside = [i for i in range(n_layers) if not plan.scanned(i)]
-    layer_caches = dict(zip(outside, cache["layers"])) if cache is not None else {}
+    layer_caches = dict(zip(outside, cache["layers"])) if cache is not None else None
     carry, aux, new_caches = self.run_layers(range(plan.start), self.initial_carry(x),
                                              segment_ids, positions, layer_caches)
     carry, unit_aux, units = self._scan_units(carry, segment_ids, positions,
@@ -408,8 +427,9 @@ class K3ForCausalLM(nnx.Module):
 
   def run_layers(self, indices, carry, segment_ids, positions, caches: dict | None = None):
     """Layers `indices` (outside the scan) one after another on the carry, rematerialised as
-    `model.remat` says. Returns (carry, aux per layer index, their caches in order)."""
-    step = remat(_layer_step, self.remat, static_argnums=(5,))
+    `model.remat` says (not with caches). Returns (carry, aux per layer index, their caches in
+    order)."""
+    step = remat(_layer_step, self.remat if caches is None else "none", static_argnums=(5,))
     aux, new_caches = {}, []
     for i in indices:
       carry, aux[i], lc = step(self.layers[i], jnp.int32(i), carry, segment_ids, positions,
@@ -434,12 +454,14 @@ class K3ForCausalLM(nnx.Module):
 
   def _scan_units(self, carry, segment_ids, positions, caches: list | None):
     """`lax.scan` of the unit body over the stacked layer states (and caches), rematerialised
-    as `model.remat` says. Returns (carry, aux per layer index, caches stacked per position)."""
+    as `model.remat` says (not with caches). Returns (carry, aux per layer index, caches
+    stacked per position)."""
     plan = self.plan
     graphdefs, states = self.unit_states()
     first = plan.start + plan.period * jnp.arange(plan.units, dtype=jnp.int32)
     carry, (auxs, new_caches) = run_units(graphdefs, states, first, carry, segment_ids,
-                                          positions, self.block_size, self.remat, caches)
+                                          positions, self.block_size,
+                                          self.remat if caches is None else "none", caches)
     aux = {plan.layer(u, j): jax.tree.map(lambda a, u=u: a[u], auxs[j])
            for u in range(plan.units) for j in range(plan.period)}
     return carry, aux, new_caches
@@ -453,19 +475,23 @@ class K3ForCausalLM(nnx.Module):
   def init_cache(self, batch: int, max_len: int) -> dict:
     """The dual cache (report §5.4): KDA states and conv tails, MLA latents of 576 a token.
 
-    "layers": the caches of the layers outside the scan (all layers when nothing is scanned),
-    in layer order; "units": per position j of the scanned unit, its caches stacked over units.
+    "index": [B] int32, each row's filled length (its next position); "layers": the caches of
+    the layers outside the scan (all layers when nothing is scanned), in layer order; "units":
+    per position j of the scanned unit, its caches stacked over units. max_len: latent slots.
     """
     caches = [layer.init_cache(batch, max_len) for layer in self.layers]
     plan = self.plan
+    index = jnp.zeros((batch,), jnp.int32)
     if plan is None:
-      return {"index": jnp.zeros((), jnp.int32), "layers": caches, "units": []}
-    return {"index": jnp.zeros((), jnp.int32),
+      return {"index": index, "layers": caches, "units": []}
+    return {"index": index,
             "layers": [c for i, c in enumerate(caches) if not plan.scanned(i)],
             "units": [_stack([caches[plan.layer(u, j)] for u in range(plan.units)])
                       for j in range(plan.period)]}
 
-  def extend(self, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """Prefill or decode: logits [B, T, V] of `tokens` continuing `cache`, and the new cache."""
-    h, _, cache = self.hidden_states(tokens, cache=cache)
+  def extend(self, tokens: jax.Array, cache: dict, lengths: jax.Array | None = None
+             ) -> tuple[jax.Array, dict]:
+    """Prefill or decode: logits [B, T, V] of `tokens` continuing `cache`, and the new cache
+    (lengths [B]: each row's own tokens, the rest right padding; see `hidden_states`)."""
+    h, _, cache = self.hidden_states(tokens, cache=cache, lengths=lengths)
     return self.logits(h), cache

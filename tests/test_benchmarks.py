@@ -172,8 +172,8 @@ ENTRY %main (p: f32[4]) -> f32[4] {
   ROOT %add.3 = f32[4]{0} add(f32[4]{0} %fusion.2, f32[4]{0} %p), metadata={op_name="jit(step)/kda/add"}
 }
 """
-  from benchmarks import compile_parts
-  assert compile_parts.kernel_counts(text) == {("KDA layers", "fwd"): 1, ("KDA layers", "bwd"): 1}
+  from benchmarks import step_parts
+  assert step_parts.kernel_counts(text) == {("KDA layers", "fwd"): 1, ("KDA layers", "bwd"): 1}
 
 
 def test_trace_parsing_sums_device_ops_only(tmp_path):
@@ -221,3 +221,25 @@ def test_decode_attention_benchmark_times_every_tier_in_the_interpreters(tmp_pat
                                             * shape["H"] * (shape["Dk"] + shape["Dv"]) * 2)
     if r["implementation"] != "reference":
       assert r["max_err_vs_reference"] < 1e-2, r
+
+
+def test_decode_benchmark_records_every_variant_and_context(tmp_path):
+  out = tmp_path / "decode.json"
+  run_module("benchmarks.decode", "--toy", f"--out={out}")
+  recs = records(out)
+  # (MLA layers, KDA layers) of the 2-layer k3_tiny and its twins.
+  layers = {"hybrid": (1, 1), "all_mla": (2, 0), "kda_only": (0, 2)}
+  assert {(r["variant"], r["shape"]["B"], r["shape"]["context"]) for r in recs} == {
+      (v, 2, n) for v in layers for n in (32, 64)}
+  # Per sequence: a bf16 latent of kr 16 + dr 8 per token and MLA layer; per KDA layer an fp32
+  # state of 2 heads x 16 x 16 and three bf16 conv tails of 3 taps x 32 channels.
+  latent, kda = (16 + 8) * 2, 2 * 16 * 16 * 4 + 3 * 3 * 32 * 2
+  for r in recs:
+    mla, linear = layers[r["variant"]]
+    n = r["shape"]["context"]
+    assert r["cache_bytes_per_seq"] == mla * latent * n + linear * kda, r
+    assert r["cache_bytes_per_step"] == 2 * (mla * latent * n + 2 * linear * kda), r
+    assert r["decode_attention_tier"] == ("xla" if mla else "")
+    assert r["decode_tokens_per_s"] > 0 and r["tpot_ms"] > 0 and r["prefill_tokens_per_s"] > 0
+    assert 0 < r["floor_ms"] and r["weight_bytes_per_step"] > 0 and r["timing"] == "wall_once"
+    assert r["commit"] and "jax" in r["versions"]

@@ -1,5 +1,6 @@
 """Tests for k3jax.generate and launch.generate."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from flax import nnx
 import k3jax  # noqa: F401
 from k3jax import checkpoint, config, data, generate, loop, train
 from k3jax.model import K3ForCausalLM
+from mesh_testing import run_on_devices
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TINY = os.path.join(_ROOT, "experiments", "configs", "k3_tiny.py")
@@ -288,3 +290,87 @@ def test_launch_generate_with_packed_experts(workdir):
       cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.splitlines()[2].startswith("continuation: ")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(workdir, tmp_path_factory):
+  """The workdir's model written as a Kimi K3 checkpoint directory (bf16 experts)."""
+  from k3jax import hf  # pylint: disable=import-outside-toplevel
+  model, cfg, _ = generate.load_model(workdir)
+  path = str(tmp_path_factory.mktemp("hf") / "k3_tiny")
+  hf.save_checkpoint(cfg, model, path, experts="bf16")
+  return path
+
+
+def test_launch_generate_batches_a_prompts_file_from_an_hf_dir(hf_dir, tmp_path):
+  """Three prompts of different lengths in batches of 2 (the second padded with a one-token
+  row): every prompt printed with its continuation, in file order, then the rates of the
+  prompts' tokens and the new tokens, one compiled shape."""
+  texts = ["count by 2", "17 + 25 =", "abc"]
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("\n".join(texts) + "\n", encoding="utf-8")
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.generate", f"--hf_dir={hf_dir}", f"--prompts_file={prompts}",
+       "--batch_size=2", "--max_new_tokens=4", "--temperature=0"],
+      cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == f"[base, {hf_dir}]"
+  # A continuation may hold a newline byte: the lines are found by their prefixes.
+  assert [line for line in lines if line.startswith("prompt: ")] == [f"prompt: {t}" for t in texts]
+  assert sum(line.startswith("continuation: ") for line in lines) == 3
+  prompt_tokens = sum(len(t.encode()) + 1 for t in texts)  # BOS + bytes
+  assert re.fullmatch(
+      rf"prefill: {prompt_tokens} tokens, [\d.]+ s, [\d.]+ tokens/s; decode: (\d+) tokens, "
+      r"[\d.]+ s, [\d.]+ tokens/s; warm-up \(compiles\): [\d.]+ s for \(batch, prompt, "
+      r"cache\) \[\(2, 16, 256\)\]", lines[-1]), lines[-1]
+  assert int(re.search(r"decode: (\d+)", lines[-1]).group(1)) <= 3 * 3
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--workdir=w", "--hf_dir=h"], "error: give exactly one of --workdir"),
+    (["--workdir=w", "--prompts_file=/nonexistent/prompts.txt"],
+     "error: No such file or directory: /nonexistent/prompts.txt"),
+    (["--hf_dir=h", "--prompt=a", "--prompts_file=p"], "error: --prompt and --prompts_file"),
+    (["--workdir=w", "--cache_buckets=64,32"], "error: --cache_buckets must be increasing")])
+def test_launch_generate_errors_are_one_line(flags, message):
+  result = subprocess.run([sys.executable, "-m", "launch.generate", *flags], cwd=_ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert lines[0].startswith(message) and lines[1:] == ["(--verbose shows the traceback)"], lines
+
+
+_MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from k3jax import generate, hf, sharding
+workdir, hf_dir = sys.argv[1], sys.argv[2]
+model, cfg, _ = generate.load_model(workdir)
+mesh = sharding.make_mesh(cfg.mesh)
+split, _, _ = generate.load_model(workdir, mesh=mesh)
+_, from_hf = hf.load_checkpoint(hf_dir, mesh=mesh, config=cfg)
+_, from_hf_one = hf.load_checkpoint(hf_dir, config=cfg)
+prompts = [np.array([256, 99, 111, 117, 110, 116]), np.array([256, 49, 55])]
+run = lambda m, **kw: [r.tolist() for r in generate.generate(
+    m, prompts, max_new_tokens=5, buckets=generate.Buckets(min_prompt=8, cache_sizes=(16,)),
+    **kw)]
+on_mesh = dict(mesh=mesh, rules=cfg.mesh.logical_axis_rules)
+emb = split.embed_tokens["embedding"].get_value()
+print("RESULT" + json.dumps(dict(
+    mesh=dict(mesh.shape), spec=str(emb.sharding.spec),
+    shard=list(emb.addressable_shards[0].data.shape), one=run(model),
+    split=run(split, **on_mesh), hf_one=run(from_hf_one), hf_split=run(from_hf, **on_mesh))))
+"""
+
+
+def test_generation_on_a_mesh_of_two_devices(workdir, hf_dir):
+  """load_model and hf.load_checkpoint with a mesh of 2 CPU devices (data 2): the parameters
+  are split by the config's rules and greedy generation under the mesh (a padded batch of 2)
+  gives the tokens of the single-device model."""
+  script = _MESH_SCRIPT.replace("sys.argv[1], sys.argv[2]", f"{workdir!r}, {hf_dir!r}")
+  out = run_on_devices(script, devices=2)
+  assert out["mesh"]["data"] == 2 and "data" in out["spec"] and out["shard"] == [258, 32]
+  assert out["split"] == out["one"] and out["hf_split"] == out["hf_one"]
+  assert [len(r) for r in out["one"]] == [6 + 5, 3 + 5]

@@ -169,7 +169,7 @@ def test_prefill_then_decode_equals_full_forward(block):
     logits, cache = extend(model, toks[:, t:t + 1], cache)
     outs.append(logits)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
-  assert int(cache["index"]) == 20
+  np.testing.assert_array_equal(cache["index"], [20, 20])
   mla = [c for c in cache["layers"] if "latent" in c]
   assert mla[0]["latent"].shape == (2, 24, 16 + 8)
   # The scanned unit (KDA, MLA) x 2 (layers 2..5): MLA latents stacked over the units.

@@ -78,6 +78,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Its training: "kernel" (also writes SiTU's partials), or "unfused" forward + VJP
   kn.gate_up_train = "kernel"
   kn.attention_impl = ""  # MLA training attention (pallas_kernels.attention): "" best available
+  # Absorbed-MLA decoding over the filled latent cache (pallas_kernels.decode_attention)
+  kn.decode_attention_impl = ""  # "": the platform default
   kn.xla_triton_gemm = False  # XLA's own GEMMs: cuBLAS (False) or its Triton GEMM fusions (True)
 
   t = c.train = ml_collections.ConfigDict()

@@ -1,0 +1,224 @@
+r"""Decoding over the dual cache (report §5.4) at long contexts: k3_small against its all-MLA and
+KDA-only twins on one device.
+
+Variants (`--variants`): "hybrid" (k3_small as configured: 3 KDA : 1 gated MLA,
+model.full_attn_layers (4, 8, 12)), "all_mla" (every layer gated MLA: full_attn_layers 1..12) and
+"kda_only" (every layer KDA, the last one too: full_attn_layers ()). Random weights, bf16
+parameters (model.param_dtype, as served) and activations, no MTP layer (decoding does not use
+it). Per variant and batch B (`--batches`: 1, 16) one cache of max(contexts) + new_tokens slots is
+filled by chunked prefill up to each context L in turn (`--contexts`: 4096, 32768, 131072); at each
+L the decode loop that `k3jax.generate` serves with (`generate._decode`: one `while_loop`, greedy)
+runs `--new_tokens` - 1 steps from a copy of the cache, after a one-step warm-up that compiles it.
+
+Chunked prefill: a one-shot prefill of 128k tokens would hold the absorbed-attention scores of
+every token at once, so the prompt goes in as chunks of C = min(--chunk_tokens // B, the
+contexts' gcd) tokens a row (B 1: 4096, B 16: 1024), each one `K3ForCausalLM.hidden_states` call
+continuing the cache (one compiled program, the cache donated): chunk c's queries attend the
+c * C filled latents before them and their own causally through `pallas_kernels.decode_attention`,
+and KDA continues its state. Prefill tokens/s at L is B * L over the summed chunk times up to L.
+
+Per (variant, B, L) the record has decode tokens/s (B * steps / s), the time per output token
+(tpot_ms), prefill tokens/s, the cache bytes per sequence at L (MLA latents L x 320 x 2 bytes a
+layer; KDA a fixed fp32 state and conv tails), and the bytes-moved floor of one decode step: the
+weights it reads (all but the embedding table, of which B rows, and the routed experts, of which
+the expected share that B tokens select under uniform routing, 1 - (1 - k/E)^B) plus the caches
+(the filled latents read; KDA states and conv tails read and written) at the device-to-device copy
+rate measured in the same run (`common.copy_tbps`: bytes read + written per device second of an
+fp32 pass over 1 GiB); floor_fraction = floor / tpot. Timing: wall clock of whole calls (a decode
+loop of steps, a prefill chunk), each far longer than the ~0.07 ms below which a call's wall time
+measures JAX's dispatch and a trace (`common.device_ms`) would be needed. XLA hoists the stacking
+of the scanned layers' weights out of the decode loop (seen in the compiled HLO on CPU), so a step
+reads each weight once. `--decode_attention_impl` picks the MLA layers' decode attention tier
+(recorded with the tier that ran). Records are merged into `--out` after each L.
+
+  python3 -m benchmarks.decode --out=$OUT/decode_h200.json
+`--toy` runs a 2-layer k3_tiny (KDA + MLA, and its twins) at B 2, contexts 32 and 64 on CPU.
+"""
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from benchmarks import common
+from k3jax import config as config_lib
+from k3jax import generate
+from k3jax.model import K3ForCausalLM
+from pallas_kernels import decode_attention
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/decode_h200.json", "Records (JSON list).")
+_TOY = flags.DEFINE_bool("toy", False, "A 2-layer k3_tiny at B 2, contexts 32 and 64 on CPU.")
+_VARIANTS = flags.DEFINE_list("variants", ["hybrid", "all_mla", "kda_only"], "Layer patterns.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "16"], "B values.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "Filled lengths L.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 33, "Tokens per decode run (new_tokens - 1 "
+                                   "decode steps after the first token).", lower_bound=2)
+_CHUNK_TOKENS = flags.DEFINE_integer("chunk_tokens", 16384, "Prefill tokens per call over the "
+                                     "batch.", lower_bound=1)
+_DECODE_ATTENTION_IMPL = flags.DEFINE_enum(
+    "decode_attention_impl", "", ("",) + decode_attention.IMPLS,
+    "kernels.decode_attention_impl of the MLA layers (\"\": the platform default).")
+CONFIG = "experiments/configs/k3_small.py"
+TOY_CONFIG = "experiments/configs/k3_tiny.py"
+TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=4, chunk_tokens=32)
+KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "device")
+
+
+def variant_config(name: str, toy: bool, decode_attention_impl: str = ""):
+  """The config of a variant: k3_small (toy: k3_tiny with 2 layers) with bf16 parameters and no
+  MTP layer, its layer pattern as `name` says."""
+  overrides = {"model.param_dtype": "bfloat16", "model.mtp_num_layers": 0,
+               "kernels.decode_attention_impl": decode_attention_impl}
+  if toy:
+    overrides.update({"model.num_layers": 2, "model.full_attn_layers": (2,),
+                      "model.dtype": "bfloat16"})
+  cfg = config_lib.load(TOY_CONFIG if toy else CONFIG, overrides)
+  layers = cfg.model.num_layers
+  pattern = {"hybrid": cfg.model.full_attn_layers, "all_mla": tuple(range(1, layers + 1)),
+             "kda_only": ()}
+  if name not in pattern:
+    raise ValueError(f"variant must be one of {sorted(pattern)}, got {name!r}")
+  return config_lib.override(cfg, {"model.full_attn_layers": pattern[name]})
+
+
+def copy_tbps(toy: bool) -> float:
+  """`common.copy_tbps` (device time of an fp32 pass over 1 GiB); toy: the wall clock of one
+  pass over 64 MiB (CPU runs have no device trace). Bytes read + written per second, in TB/s."""
+  if not toy:
+    return common.copy_tbps()
+  a = jnp.zeros(2 ** 24, jnp.float32)
+  return 2 * 2 ** 26 / common.time_jax_once(jax.jit(lambda v: v + 1), a) / 1e9
+
+
+def cache_bytes(cache: dict, batch: int) -> tuple[float, float]:
+  """(bytes per row per latent slot, bytes per row of the fixed-size KDA states and tails)."""
+  per_slot = per_row = 0.0
+  for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+    if getattr(path[-1], "key", None) == "latent":  # [B, S, C] or [U, B, S, C]
+      per_slot += x.size / (batch * x.shape[-2]) * x.dtype.itemsize
+    elif getattr(path[-1], "key", None) != "index":
+      per_row += x.size / batch * x.dtype.itemsize
+  return per_slot, per_row
+
+
+def weight_bytes_per_step(model: K3ForCausalLM, batch: int) -> float:
+  """Parameter bytes one decode step of `batch` rows must read: the embedding's B rows, the
+  routed experts' expected selected share 1 - (1 - k/E)^B, everything else whole."""
+  moe = model.cfg.moe
+  share = 1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch if moe.num_experts else 1
+  total = 0.0
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    names = [str(k) for k in path]
+    x = var.get_value()
+    nbytes = x.size * x.dtype.itemsize
+    if names[0] == "embed_tokens":
+      nbytes = batch * x.shape[-1] * x.dtype.itemsize
+    elif "experts" in names and names[-1] in ("w1", "w2", "w3"):
+      nbytes *= share
+    total += nbytes
+  return total
+
+
+@functools.partial(nnx.jit, donate_argnames=("cache",))
+def prefill_chunk(model: K3ForCausalLM, tokens: jax.Array, cache: dict
+                  ) -> tuple[jax.Array, dict]:
+  """tokens [B, C] continuing the cache: (the last position's logits [B, V], the cache)."""
+  h, _, cache = model.hidden_states(tokens, cache=cache)
+  return model.logits(h[:, -1:])[:, 0], cache
+
+
+def decode_tier(model: K3ForCausalLM, batch: int, slots: int) -> str:
+  """The decode attention tier the MLA layers run ("" without MLA layers)."""
+  mla = [layer.self_attn for layer in model.layers if layer.kind == "mla"]
+  if not mla:
+    return ""
+  a = mla[0]
+  q = jax.ShapeDtypeStruct((batch, 1, a.num_heads, a.kr + a.dr), a.dtype)
+  cache = jax.ShapeDtypeStruct((batch, slots, a.kr + a.dr), a.dtype)
+  return decode_attention.plan(q, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), v_dim=a.kr,
+                               impl=a.decode_attention_impl).impl
+
+
+def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, ...],
+              new_tokens: int, chunk_tokens: int, copy: float, toy: bool) -> None:
+  """Prefill to each context in turn, decode from a copy of the cache at each; records merged
+  into --out after each context."""
+  chunk = min(max(1, chunk_tokens // batch), math.gcd(*contexts))
+  slots = max(contexts) + new_tokens
+  rng = np.random.default_rng(batch)
+  vocab = model.cfg.vocab_size
+  tokens = lambda t: jnp.asarray(rng.integers(0, vocab, (batch, t)), jnp.int32)
+  steps = new_tokens - 1
+  settings = (jax.random.key(0), jnp.float32(0), jnp.float32(1), jnp.int32(-1))
+  copy_of = lambda cache: jax.tree.map(jnp.copy, cache)
+  # Compile both programs on a throwaway cache.
+  jax.block_until_ready(prefill_chunk(model, tokens(chunk), model.init_cache(batch, slots)))
+  first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
+  jax.block_until_ready(generate._decode(model, model.init_cache(batch, slots), first, *settings,
+                                         jnp.int32(2), capacity=slots))
+  cache = model.init_cache(batch, slots)
+  per_slot, per_row = cache_bytes(cache, batch)
+  weights = weight_bytes_per_step(model, batch)
+  tier = decode_tier(model, batch, slots)
+  filled, prefill_s = 0, 0.0
+  for context in contexts:
+    start = time.perf_counter()
+    while filled < context:
+      logits, cache = prefill_chunk(model, tokens(chunk), cache)
+      filled += chunk
+    jax.block_until_ready((logits, cache))
+    prefill_s += time.perf_counter() - start
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    run = copy_of(cache)
+    jax.block_until_ready(run)
+    start = time.perf_counter()
+    out, n, _ = generate._decode(model, run, first, *settings, jnp.int32(new_tokens),
+                                 capacity=slots)
+    jax.block_until_ready(out)
+    decode_s = time.perf_counter() - start
+    assert int(n) == new_tokens, (int(n), new_tokens)
+    tpot = decode_s / steps * 1e3
+    cache_read = batch * (per_slot * context + 2 * per_row)
+    floor = (weights + cache_read) / copy / 1e9
+    rec = dict(op="decode", variant=name,
+               shape=dict(B=batch, context=context, slots=slots, new_tokens=new_tokens,
+                          chunk=chunk),
+               dtype="bfloat16", decode_tokens_per_s=round(batch * steps / decode_s, 2),
+               tpot_ms=round(tpot, 4), prefill_tokens_per_s=round(batch * context / prefill_s, 1),
+               prefill_s=round(prefill_s, 3), cache_bytes_per_seq=int(per_slot * context + per_row),
+               weight_bytes_per_step=int(weights), cache_bytes_per_step=int(cache_read),
+               floor_ms=round(floor, 4), floor_fraction=round(floor / tpot, 3),
+               copy_tbps=round(copy, 3), decode_attention_tier=tier,
+               timing="wall_once" if toy else "wall", device=common.device_name(),
+               date=common.today(), commit=common.code_commit(), versions=common.versions())
+    print(f"{name:8s} B={batch:<2d} L={context:<6d} decode {rec['decode_tokens_per_s']:9.1f} "
+          f"tok/s  tpot {tpot:8.3f} ms (floor {floor:.3f} ms, {rec['floor_fraction']:.0%})  "
+          f"prefill {rec['prefill_tokens_per_s']:9.1f} tok/s  cache/seq "
+          f"{rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  [{tier or 'no MLA'}]", flush=True)
+    common.merge_records(_OUT.value, [rec], KEY_FIELDS)
+
+
+def main(argv):
+  del argv
+  toy = _TOY.value
+  ints = lambda values: tuple(int(v) for v in values)
+  batches = TOY["batches"] if toy else ints(_BATCHES.value)
+  contexts = TOY["contexts"] if toy else tuple(sorted(ints(_CONTEXTS.value)))
+  new_tokens = TOY["new_tokens"] if toy else _NEW_TOKENS.value
+  chunk_tokens = TOY["chunk_tokens"] if toy else _CHUNK_TOKENS.value
+  copy = copy_tbps(toy)
+  print(f"device {common.device_name()}: copy {copy:.2f} TB/s", flush=True)
+  for name in _VARIANTS.value:
+    cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value)
+    model = nnx.jit(lambda: K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels))()
+    for batch in batches:
+      run_batch(name, model, batch, contexts, new_tokens, chunk_tokens, copy, toy)
+    del model
+
+
+if __name__ == "__main__":
+  app.run(main)
