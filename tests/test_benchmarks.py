@@ -153,7 +153,8 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
 def test_compile_parts_counts_the_kernels_of_each_part(tmp_path):
   out = tmp_path / "compile.json"
   run_module("benchmarks.compile_parts", "--config=experiments/configs/k3_tiny.py",
-             "--config.train.global_batch_size=1", "--config.train.seq_len=32", f"--out={out}")
+             "--config.train.global_batch_size=1", "--config.train.seq_len=32",
+             "--config.model.num_layers=4", "--config.model.full_attn_layers=(4,)", f"--out={out}")
   (rec,) = records(out)
   parts = {p["part"]: p for p in rec["parts"]}
   assert rec["kernels"] == sum(p["kernels"] for p in parts.values()) > 0
