@@ -5,17 +5,20 @@ Variants (`--variants`): "hybrid" (k3_small as configured: 3 KDA : 1 gated MLA,
 model.full_attn_layers (4, 8, 12)), "all_mla" (every layer gated MLA: full_attn_layers 1..12) and
 "kda_only" (every layer KDA, the last one too: full_attn_layers ()). Random weights, bf16
 parameters (model.param_dtype, as served) and activations, no MTP layer (decoding does not use
-it). Per variant and batch B (`--batches`: 1, 16) one cache of max(contexts) + new_tokens slots is
-filled by chunked prefill up to each context L in turn (`--contexts`: 4096, 32768, 131072); at each
-L the decode loop that `k3jax.generate` serves with (`generate._decode`: one `while_loop`, greedy)
-runs `--new_tokens` - 1 steps from a copy of the cache, after a one-step warm-up that compiles it.
+it). Per variant and batch B (`--batches`: 1, 16) the two programs that serve are compiled once
+(their compile times printed): a prefill chunk of C = min(--chunk_tokens // B, the contexts' gcd)
+tokens a row continuing the cache (`K3ForCausalLM.hidden_states`, the cache donated; its queries
+attend the filled latents and their own causally through `pallas_kernels.decode_attention`, KDA
+continues its state) and the decode loop `k3jax.generate` serves with (`generate._decode`: one
+`while_loop`, greedy). At each context L (`--contexts`: 4096, 32768, 131072) a cache of
+max(contexts) + max(C, new_tokens) slots is filled to L with random values (`fill_cache`: the
+step's work and bytes do not depend on them; prefilling 128k tokens of twelve MLA layers would
+cost minutes of device time per point), one prefill chunk continuing it is timed, and the decode
+loop runs `--new_tokens` - 1 steps from it.
 
-Chunked prefill: a one-shot prefill of 128k tokens would hold the absorbed-attention scores of
-every token at once, so the prompt goes in as chunks of C = min(--chunk_tokens // B, the
-contexts' gcd) tokens a row (B 1: 4096, B 16: 1024), each one `K3ForCausalLM.hidden_states` call
-continuing the cache (one compiled program, the cache donated): chunk c's queries attend the
-c * C filled latents before them and their own causally through `pallas_kernels.decode_attention`,
-and KDA continues its state. Prefill tokens/s at L is B * L over the summed chunk times up to L.
+Prefill tokens/s to L: a chunk's cost is affine in the depth it continues (its attention reads the
+filled latents; everything else is fixed), so prefill to L takes about (L / C) (t(0) + t(L)) / 2
+from the chunk times measured at depths 0 and L; the chunk's own rate at depth L is recorded too.
 
 Per (variant, B, L) the record has decode tokens/s (B * steps / s), the time per output token
 (tpot_ms), prefill tokens/s, the cache bytes per sequence at L (MLA latents L x 320 x 2 bytes a
@@ -143,41 +146,71 @@ def decode_tier(model: K3ForCausalLM, batch: int, slots: int) -> str:
                                impl=a.decode_attention_impl).impl
 
 
+@functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("cache",))
+def fill_cache(cache: dict, key: jax.Array, *, context: int) -> dict:
+  """The cache as if `context` tokens had been prefilled: latents in slots < context, KDA states
+  and conv tails random (N(0, 0.02^2): timing does not depend on the values), index = context."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(cache)
+  out = []
+  for i, (path, x) in enumerate(leaves):
+    name = getattr(path[-1], "key", None)
+    if name == "index":
+      out.append(jnp.full_like(x, context))
+      continue
+    r = (0.02 * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)).astype(x.dtype)
+    if name == "latent":  # [B, S, C] or [U, B, S, C]
+      r = jnp.where(jnp.arange(x.shape[-2])[:, None] < context, r, 0).astype(x.dtype)
+    out.append(r)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, ...],
               new_tokens: int, chunk_tokens: int, copy: float, toy: bool) -> None:
-  """Prefill to each context in turn, decode from a copy of the cache at each; records merged
-  into --out after each context."""
+  """Compile the prefill chunk and the decode loop once, then at each context L: a cache filled
+  to L (`fill_cache`), one timed prefill chunk continuing it, and the timed decode loop; records
+  merged into --out after each L."""
   chunk = min(max(1, chunk_tokens // batch), math.gcd(*contexts))
-  slots = max(contexts) + new_tokens
+  slots = max(contexts) + max(chunk, new_tokens)
   rng = np.random.default_rng(batch)
   vocab = model.cfg.vocab_size
   tokens = lambda t: jnp.asarray(rng.integers(0, vocab, (batch, t)), jnp.int32)
   steps = new_tokens - 1
   settings = (jax.random.key(0), jnp.float32(0), jnp.float32(1), jnp.int32(-1))
-  copy_of = lambda cache: jax.tree.map(jnp.copy, cache)
-  # Compile both programs on a throwaway cache.
-  jax.block_until_ready(prefill_chunk(model, tokens(chunk), model.init_cache(batch, slots)))
+  key = jax.random.key(batch)
+  log = lambda msg: print(f"{name:8s} B={batch:<2d} {msg}", flush=True)
+
+  start = time.perf_counter()
+  cache = model.init_cache(batch, slots)
+  jax.block_until_ready(prefill_chunk(model, tokens(chunk), cache))
+  log(f"prefill chunk of {chunk} compiled in {time.perf_counter() - start:.1f} s")
+  start = time.perf_counter()
   first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
   jax.block_until_ready(generate._decode(model, model.init_cache(batch, slots), first, *settings,
                                          jnp.int32(2), capacity=slots))
+  log(f"decode loop compiled in {time.perf_counter() - start:.1f} s")
   cache = model.init_cache(batch, slots)
   per_slot, per_row = cache_bytes(cache, batch)
   weights = weight_bytes_per_step(model, batch)
   tier = decode_tier(model, batch, slots)
-  filled, prefill_s = 0, 0.0
-  for context in contexts:
+
+  def chunk_s(context: int, cache: dict) -> tuple[float, dict]:
+    cache = jax.block_until_ready(fill_cache(cache, key, context=context))
     start = time.perf_counter()
-    while filled < context:
-      logits, cache = prefill_chunk(model, tokens(chunk), cache)
-      filled += chunk
+    logits, cache = prefill_chunk(model, tokens(chunk), cache)
     jax.block_until_ready((logits, cache))
-    prefill_s += time.perf_counter() - start
-    first = jnp.argmax(logits, -1).astype(jnp.int32)
-    run = copy_of(cache)
-    jax.block_until_ready(run)
+    return time.perf_counter() - start, cache
+
+  empty_s, cache = chunk_s(0, cache)
+  for context in contexts:
+    depth_s, cache = chunk_s(context, cache)
+    # A chunk's cost is affine in the depth it continues (its attention reads the filled
+    # latents): prefill to L in L / C chunks takes about (L / C) * (t(0) + t(L)) / 2.
+    prefill_s = context / chunk * (empty_s + depth_s) / 2
+    cache = jax.block_until_ready(fill_cache(cache, key, context=context))
+    first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
     start = time.perf_counter()
-    out, n, _ = generate._decode(model, run, first, *settings, jnp.int32(new_tokens),
-                                 capacity=slots)
+    out, n, cache = generate._decode(model, cache, first, *settings, jnp.int32(new_tokens),
+                                     capacity=slots)
     jax.block_until_ready(out)
     decode_s = time.perf_counter() - start
     assert int(n) == new_tokens, (int(n), new_tokens)
@@ -189,16 +222,18 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                           chunk=chunk),
                dtype="bfloat16", decode_tokens_per_s=round(batch * steps / decode_s, 2),
                tpot_ms=round(tpot, 4), prefill_tokens_per_s=round(batch * context / prefill_s, 1),
+               prefill_chunk_tokens_per_s=round(batch * chunk / depth_s, 1),
                prefill_s=round(prefill_s, 3), cache_bytes_per_seq=int(per_slot * context + per_row),
                weight_bytes_per_step=int(weights), cache_bytes_per_step=int(cache_read),
                floor_ms=round(floor, 4), floor_fraction=round(floor / tpot, 3),
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
                timing="wall_once" if toy else "wall", device=common.device_name(),
                date=common.today(), commit=common.code_commit(), versions=common.versions())
-    print(f"{name:8s} B={batch:<2d} L={context:<6d} decode {rec['decode_tokens_per_s']:9.1f} "
-          f"tok/s  tpot {tpot:8.3f} ms (floor {floor:.3f} ms, {rec['floor_fraction']:.0%})  "
-          f"prefill {rec['prefill_tokens_per_s']:9.1f} tok/s  cache/seq "
-          f"{rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  [{tier or 'no MLA'}]", flush=True)
+    log(f"L={context:<6d} decode {rec['decode_tokens_per_s']:9.1f} "
+        f"tok/s  tpot {tpot:8.3f} ms (floor {floor:.3f} ms, {rec['floor_fraction']:.0%})  "
+        f"prefill {rec['prefill_tokens_per_s']:9.1f} tok/s (chunk at L "
+        f"{rec['prefill_chunk_tokens_per_s']:9.1f})  cache/seq "
+        f"{rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  [{tier or 'no MLA'}]")
     common.merge_records(_OUT.value, [rec], KEY_FIELDS)
 
 
