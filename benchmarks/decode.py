@@ -38,6 +38,8 @@ reads each weight once. `--decode_attention_impl` picks the MLA layers' decode a
 `--toy` runs a 2-layer k3_tiny (KDA + MLA, and its twins) at B 2, contexts 32 and 64 on CPU.
 """
 import functools
+import gzip
+import json
 import math
 import time
 
@@ -62,6 +64,9 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 33, "Tokens per decode run (new
                                    "decode steps after the first token).", lower_bound=2)
 _CHUNK_TOKENS = flags.DEFINE_integer("chunk_tokens", 16384, "Prefill tokens per call over the "
                                      "batch.", lower_bound=1)
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace one decode loop per (variant, B) at "
+                                   "the first context into this directory and print the device "
+                                   "time per kernel and step.")
 _DECODE_ATTENTION_IMPL = flags.DEFINE_enum(
     "decode_attention_impl", "", ("",) + decode_attention.IMPLS,
     "kernels.decode_attention_impl of the MLA layers (\"\": the platform default).")
@@ -164,6 +169,23 @@ def fill_cache(cache: dict, key: jax.Array, *, context: int) -> dict:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax.Array,
+                   settings: tuple, steps: int, new_tokens: int, slots: int, top: int = 25):
+  """One decode loop under the profiler; prints device ms per step, by HLO op and kernel."""
+  with jax.profiler.trace(directory):
+    out, _, cache = generate._decode(model, cache, first, *settings, jnp.int32(new_tokens),
+                                     capacity=slots)
+    jax.block_until_ready(out)
+  with gzip.open(common.find_trace(directory)) as f:
+    rows = common.device_op_times(json.load(f), by_hlo_op=True)
+  total = sum(us for _, _, us in rows)
+  print(f"  trace {directory}: {total / 1e3 / steps:.3f} device ms per step in "
+        f"{sum(n for _, n, _ in rows) / steps:.0f} kernels", flush=True)
+  for op, n, us in rows[:top]:
+    print(f"  {us / 1e3 / steps:8.4f} ms/step {n / steps:6.1f}x  {op[:150]}", flush=True)
+  return cache
+
+
 def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, ...],
               new_tokens: int, chunk_tokens: int, copy: float, toy: bool) -> None:
   """Compile the prefill chunk and the decode loop once, then at each context L: a cache filled
@@ -214,6 +236,9 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     jax.block_until_ready(out)
     decode_s = time.perf_counter() - start
     assert int(n) == new_tokens, (int(n), new_tokens)
+    if _PROFILE_DIR.value and context == contexts[0]:
+      cache = profile_decode(f"{_PROFILE_DIR.value}/{name}_B{batch}", model, cache, first,
+                             settings, steps, new_tokens, slots)
     tpot = decode_s / steps * 1e3
     cache_read = batch * (per_slot * context + 2 * per_row)
     floor = (weights + cache_read) / copy / 1e9
@@ -249,7 +274,8 @@ def main(argv):
   print(f"device {common.device_name()}: copy {copy:.2f} TB/s", flush=True)
   for name in _VARIANTS.value:
     cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value)
-    model = nnx.jit(lambda: K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels))()
+    # Eagerly: jitted, the hybrid's initialisation sat in XLA's GPU backend for minutes.
+    model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
     for batch in batches:
       run_batch(name, model, batch, contexts, new_tokens, chunk_tokens, copy, toy)
     del model
