@@ -79,7 +79,7 @@ class Results:
       if any(r.get(k) != v for k, v in match.items()):
         continue
       key = {k: v for k, v in r.items()
-             if k in ("implementation", "pass", "shape", "B", "T", "H", "config", "tokens",
+             if k in ("implementation", "variant", "pass", "shape", "B", "T", "H", "config", "tokens",
                       "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
                       "xla_triton_gemm", "xla_flags")}
       newest[json.dumps(key, sort_keys=True)] = r
@@ -382,11 +382,38 @@ def decode_attention(root: pathlib.Path) -> str:
   return f"{_table(header, body)}\n\n{floor}{res.caption(keep)}"
 
 
+def decode(root: pathlib.Path) -> str:
+  """k3_small's decode loop against its all-MLA and KDA-only twins by (B, context)."""
+  res = Results(root, "decode_h200.json")
+  keep = [r for r in res.current("decode") if r.get("tpot_ms")]
+  key_of = lambda r: (r["shape"]["B"], r["shape"]["context"])
+  at = {(key_of(r), r["variant"]): r for r in keep}
+  variants = ("hybrid", "all_mla", "kda_only")
+  body = []
+  for key in sorted({key_of(r) for r in keep}):
+    cells = []
+    for v in variants:
+      r = at.get((key, v))
+      cells.append(f"{r['tpot_ms']:.2f} ({r['floor_ms']:.2f})" if r else "")
+    hybrid, mla = at.get((key, "hybrid")), at.get((key, "all_mla"))
+    cells.append(f"{mla['tpot_ms'] / hybrid['tpot_ms']:.2f}" if hybrid and mla else "")
+    cells += [f"{hybrid['decode_tokens_per_s']:.0f}", f"{hybrid['prefill_tokens_per_s']:.0f}",
+              f"{hybrid['cache_bytes_per_seq'] / 2**20:.1f}"] if hybrid else ["", "", ""]
+    cells.append(f"{mla['cache_bytes_per_seq'] / 2**20:.1f}" if mla else "")
+    body.append([f"B {key[0]}, context {key[1]}"] + cells)
+  header = ["per output token, ms (floor)", "k3_small (3 KDA : 1 MLA)", "all-MLA twin",
+            "KDA-only twin", "all-MLA / k3_small", "k3_small decode tok/s",
+            "k3_small prefill tok/s", "k3_small cache MiB/seq", "all-MLA cache MiB/seq"]
+  floor = _copy_rate(keep, "Floor: weights and caches one step reads (and KDA states written) "
+                           "at the copy rate, ")
+  return f"{_table(header, body)}\n\n{floor}{res.caption(keep)}"
+
+
 TABLES: dict[str, Callable[[pathlib.Path], str]] = {
     "ceilings": ceilings, "kda": kda, "kda_accuracy": kda_accuracy, "moe_gemm": moe_gemm,
     "moe_layer": moe_layer, "moe_gate_up": moe_gate_up, "top_k": top_k,
     "train_step": train_step, "train_parts": train_parts, "mla_attention": mla_attention,
-    "mxfp4_matmul": mxfp4_matmul, "decode_attention": decode_attention}
+    "mxfp4_matmul": mxfp4_matmul, "decode_attention": decode_attention, "decode": decode}
 
 
 def fill(doc: str, tables: dict[str, str]) -> str:

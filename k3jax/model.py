@@ -9,7 +9,10 @@ With `scan_layers` the repeating unit of layers (`scan_plan`; K3: 3 KDA + 1 gate
 is compiled once: the parameters stay stored per layer (`layers.{i}.*`), the states of the
 scanned layers are stacked at call time and `jax.lax.scan` runs the unit over the stack; the
 irregular layers before and after it run unrolled. Block AttnRes then keeps its completed
-blocks in a fixed buffer [n_blocks, B, T, d] with a count (`attn_res.push_block`).
+blocks in a fixed buffer [n_blocks, B, T, d] with a count (`attn_res.push_block`). Cached calls
+(prefill, decode) run every layer unrolled on its own weights and cache: stacking copies each
+scanned weight on every call, and a scan slices (copies) each unit's weights and caches, which
+at k3_small's decode on the H200 took most of a token's time (benchmarks/decode.py).
 """
 import dataclasses
 import functools
@@ -249,10 +252,10 @@ def attn_res_layer(layer: DecoderLayer, blocks: list, partial, segment_ids, posi
 
 
 def attn_res_buffered_layer(layer: DecoderLayer, index: jax.Array, state: tuple, segment_ids,
-                            positions, block_size: int, cache=None):
-  """`attn_res_layer` with the blocks in a fixed buffer and a traced layer index.
+                            positions, block_size: int):
+  """`attn_res_layer` with the blocks in a fixed buffer and a traced layer index (uncached).
 
-  state: (blocks [N, B, T, d], count int32 scalar, partial [B, T, d]); returns (state, aux, cache).
+  state: (blocks [N, B, T, d], count int32 scalar, partial [B, T, d]); returns (state, aux).
   """
   blocks, count, partial = state
   with jax.named_scope("attn_res"):
@@ -260,22 +263,21 @@ def attn_res_buffered_layer(layer: DecoderLayer, index: jax.Array, state: tuple,
                             layer.self_attention_res_proj, layer.eps)
     blocks, count, partial = attn_res.push_block(blocks, count, partial,
                                                  index % block_size == 0)
-  y, aux_a, cache = layer.token_mixer(h, segment_ids, positions, cache)
+  y, aux_a, _ = layer.token_mixer(h, segment_ids, positions)
   partial = partial + y.astype(partial.dtype)
   with jax.named_scope("attn_res"):
     h = attn_res.mix_masked(blocks, count, partial, layer.mlp_res_norm, layer.mlp_res_proj,
                             layer.eps)
   y, aux_f = layer.ffn(h)
-  return (blocks, count, partial + y.astype(partial.dtype)), {**aux_a, **aux_f}, cache
+  return (blocks, count, partial + y.astype(partial.dtype)), {**aux_a, **aux_f}
 
 
 def _layer_step(layer: DecoderLayer, index: jax.Array, carry, segment_ids, positions,
-                block_size: int, cache=None):
+                block_size: int):
   """One layer of the scanned model: carry is x (residual) or the AttnRes buffer state."""
   if block_size:
-    return attn_res_buffered_layer(layer, index, carry, segment_ids, positions, block_size,
-                                   cache)
-  return residual_layer(layer, carry, segment_ids, positions, cache)
+    return attn_res_buffered_layer(layer, index, carry, segment_ids, positions, block_size)
+  return residual_layer(layer, carry, segment_ids, positions)[:2]
 
 
 def _stack(trees: list) -> Any:
@@ -283,28 +285,25 @@ def _stack(trees: list) -> Any:
 
 
 def run_units(graphdefs: list, states: list, first: jax.Array, carry, segment_ids, positions,
-              block_size: int, remat_name: str, caches: list | None = None):
+              block_size: int, remat_name: str):
   """`lax.scan` of the unit body over a run of U' units, rematerialised as `model.remat` says.
 
   graphdefs[j], states[j]: position j's graphdef and its states stacked over the units [U', ...]
   (a tuple, merged by `nnx.merge(graphdefs[j], *states[j])`); first [U'] int32: each unit's
-  first layer; caches: per position, stacked over the units, or None. Returns (carry,
-  (aux, caches)), both per position stacked [U', ...].
+  first layer. Returns (carry, aux per position stacked [U', ...]).
   """
   def unit(carry, xs):
-    states, first, caches = xs
-    auxs, new_caches = [], []
+    states, first = xs
+    auxs = []
     for j, (graphdef, state) in enumerate(zip(graphdefs, states)):
-      carry, aux, cache = _layer_step(nnx.merge(graphdef, *sharding.fsdp_gather(state)),
-                                      first + j, carry, segment_ids, positions, block_size,
-                                      None if caches is None else caches[j])
+      carry, aux = _layer_step(nnx.merge(graphdef, *sharding.fsdp_gather(state)), first + j,
+                               carry, segment_ids, positions, block_size)
       auxs.append(aux)
-      new_caches.append(cache)
-    return carry, (auxs, new_caches)
+    return carry, auxs
 
   if remat_name != "none":
     unit = jax.checkpoint(unit, policy=REMAT_POLICIES[remat_name], prevent_cse=False)
-  return jax.lax.scan(unit, carry, (states, first, caches))
+  return jax.lax.scan(unit, carry, (states, first))
 
 
 class K3ForCausalLM(nnx.Module):
@@ -365,12 +364,11 @@ class K3ForCausalLM(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = self.embed(tokens)
-    if self.plan is None:
-      x, aux, layers, units = self._unrolled(x, segment_ids, positions, cache)
+    if self.plan is None or cache is not None:
+      x, aux, layers = self._unrolled(x, segment_ids, positions, cache)
     else:
-      x, aux, layers, units = self._scanned(x, segment_ids, positions, cache)
-    new_cache = None if cache is None else {"index": cache["index"] + lengths,
-                                            "layers": layers, "units": units}
+      (x, aux), layers = self._scanned(x, segment_ids, positions), None
+    new_cache = None if cache is None else {"index": cache["index"] + lengths, "layers": layers}
     return self.norm(x), aux, new_cache
 
   def _unrolled(self, x, segment_ids, positions, cache):
@@ -393,21 +391,17 @@ class K3ForCausalLM(nnx.Module):
       for i, (layer, lc) in enumerate(zip(self.layers, layer_caches)):
         x, aux[i], lc = fn(layer, x, segment_ids, positions, lc)
         new_caches.append(lc)
-    return x, aux, new_caches, []
+    return x, aux, new_caches
 
-  def _scanned(self, x, segment_ids, positions, cache):
+  def _scanned(self, x, segment_ids, positions):
     """The irregular layers unrolled around one `lax.scan` over the units of `self.plan`."""
     plan, n_layers = self.plan, len(self.layers)
-    outside = [i for i in range(n_layers) if not plan.scanned(i)]
-    layer_caches = dict(zip(outside, cache["layers"])) if cache is not None else None
-    carry, aux, new_caches = self.run_layers(range(plan.start), self.initial_carry(x),
-                                             segment_ids, positions, layer_caches)
-    carry, unit_aux, units = self._scan_units(carry, segment_ids, positions,
-                                              None if cache is None else cache["units"])
-    carry, tail_aux, tail_caches = self.run_layers(range(plan.stop, n_layers), carry,
-                                                   segment_ids, positions, layer_caches)
+    carry, aux = self.run_layers(range(plan.start), self.initial_carry(x), segment_ids,
+                                 positions)
+    carry, unit_aux = self._scan_units(carry, segment_ids, positions)
+    carry, tail_aux = self.run_layers(range(plan.stop, n_layers), carry, segment_ids, positions)
     aux = dict(sorted({**aux, **unit_aux, **tail_aux}.items()))
-    return self.output_hidden(carry), aux, new_caches + tail_caches, units
+    return self.output_hidden(carry), aux
 
   def initial_carry(self, x: jax.Array):
     """The scanned decoder's carry at the embedding x [B, T, d]: x, or Block AttnRes's
@@ -425,17 +419,15 @@ class K3ForCausalLM(nnx.Module):
       return attn_res.mix_masked(*carry, self.output_attn_res_norm, self.output_attn_res_proj,
                                  self.cfg.rms_norm_eps)
 
-  def run_layers(self, indices, carry, segment_ids, positions, caches: dict | None = None):
+  def run_layers(self, indices, carry, segment_ids, positions):
     """Layers `indices` (outside the scan) one after another on the carry, rematerialised as
-    `model.remat` says (not with caches). Returns (carry, aux per layer index, their caches in
-    order)."""
-    step = remat(_layer_step, self.remat if caches is None else "none", static_argnums=(5,))
-    aux, new_caches = {}, []
+    `model.remat` says. Returns (carry, aux per layer index)."""
+    step = remat(_layer_step, self.remat, static_argnums=(5,))
+    aux = {}
     for i in indices:
-      carry, aux[i], lc = step(self.layers[i], jnp.int32(i), carry, segment_ids, positions,
-                               self.block_size, (caches or {}).get(i))
-      new_caches.append(lc)
-    return carry, aux, new_caches
+      carry, aux[i] = step(self.layers[i], jnp.int32(i), carry, segment_ids, positions,
+                           self.block_size)
+    return carry, aux
 
   def unit_states(self, *filters) -> tuple[list, list]:
     """(graphdef, states stacked over units [U, ...]) of each position j of the unit: one state
@@ -452,19 +444,17 @@ class K3ForCausalLM(nnx.Module):
                           for k in range(1, len(splits[0]))))
     return graphdefs, states
 
-  def _scan_units(self, carry, segment_ids, positions, caches: list | None):
-    """`lax.scan` of the unit body over the stacked layer states (and caches), rematerialised
-    as `model.remat` says (not with caches). Returns (carry, aux per layer index, caches
-    stacked per position)."""
+  def _scan_units(self, carry, segment_ids, positions):
+    """`lax.scan` of the unit body over the stacked layer states, rematerialised as
+    `model.remat` says. Returns (carry, aux per layer index)."""
     plan = self.plan
     graphdefs, states = self.unit_states()
     first = plan.start + plan.period * jnp.arange(plan.units, dtype=jnp.int32)
-    carry, (auxs, new_caches) = run_units(graphdefs, states, first, carry, segment_ids,
-                                          positions, self.block_size,
-                                          self.remat if caches is None else "none", caches)
+    carry, auxs = run_units(graphdefs, states, first, carry, segment_ids, positions,
+                            self.block_size, self.remat)
     aux = {plan.layer(u, j): jax.tree.map(lambda a, u=u: a[u], auxs[j])
            for u in range(plan.units) for j in range(plan.period)}
-    return carry, aux, new_caches
+    return carry, aux
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
@@ -475,19 +465,11 @@ class K3ForCausalLM(nnx.Module):
   def init_cache(self, batch: int, max_len: int) -> dict:
     """The dual cache (report §5.4): KDA states and conv tails, MLA latents of 576 a token.
 
-    "index": [B] int32, each row's filled length (its next position); "layers": the caches of
-    the layers outside the scan (all layers when nothing is scanned), in layer order; "units":
-    per position j of the scanned unit, its caches stacked over units. max_len: latent slots.
+    "index": [B] int32, each row's filled length (its next position); "layers": each layer's
+    cache in layer order (cached calls run the layers unrolled). max_len: latent slots.
     """
-    caches = [layer.init_cache(batch, max_len) for layer in self.layers]
-    plan = self.plan
-    index = jnp.zeros((batch,), jnp.int32)
-    if plan is None:
-      return {"index": index, "layers": caches, "units": []}
-    return {"index": index,
-            "layers": [c for i, c in enumerate(caches) if not plan.scanned(i)],
-            "units": [_stack([caches[plan.layer(u, j)] for u in range(plan.units)])
-                      for j in range(plan.period)]}
+    return {"index": jnp.zeros((batch,), jnp.int32),
+            "layers": [layer.init_cache(batch, max_len) for layer in self.layers]}
 
   def extend(self, tokens: jax.Array, cache: dict, lengths: jax.Array | None = None
              ) -> tuple[jax.Array, dict]:

@@ -331,24 +331,23 @@ def _stage_program(lay: Layout, graphdef, unit_graphdefs: list, placeholders: tu
     """Stage 0 before its units: embedding, leading layers -> (sent carry, their aux)."""
     model = model_of(sp)
     carry = model.initial_carry(model.embed(mb["inputs"]))
-    carry, aux, _ = model.run_layers(range(plan.start), carry, mb["segment_ids"],
-                                     mb["positions"])
+    carry, aux = model.run_layers(range(plan.start), carry, mb["segment_ids"], mb["positions"])
     return sent(diff_of(carry)), aux
 
   def units(p, rest, first, diff_in, mb):
     """The stage's units: sent carry -> (carry, without the count; aux per position)."""
     carry = carry_of(diff_in, entry_blocks)
-    carry, (auxs, _) = model_lib.run_units(unit_graphdefs, list(zip(p, rest)), first, carry,
-                                           mb["segment_ids"], mb["positions"], lay.block_size,
-                                           lay.remat)
+    carry, auxs = model_lib.run_units(unit_graphdefs, list(zip(p, rest)), first, carry,
+                                      mb["segment_ids"], mb["positions"], lay.block_size,
+                                      lay.remat)
     return diff_of(carry), auxs
 
   def post(sp, diff, mb):
     """The last stage after its units: loss / M and (lm_loss / M, aux of its layers)."""
     model = model_of(sp)
     carry = carry_of(diff, lay.blocks_before(plan.stop) if lay.block_size else None)
-    carry, aux, _ = model.run_layers(range(plan.stop, lay.num_layers), carry,
-                                     mb["segment_ids"], mb["positions"])
+    carry, aux = model.run_layers(range(plan.stop, lay.num_layers), carry, mb["segment_ids"],
+                                  mb["positions"])
     loss, lm_loss, mtp_aux = head_loss(model, model.norm(model.output_hidden(carry)), mb)
     if mtp_aux is not None:
       aux[lay.num_layers] = mtp_aux

@@ -118,7 +118,7 @@ def test_scanned_layers_generate_what_unrolled_ones_do():
     assert (model.plan is not None) == scan
     if scan:
       cache = model.init_cache(2, 3 + _NEW)
-      assert len(cache["layers"]) == 2 and cache["units"][1]["latent"].shape[:2] == (2, 2)
+      assert len(cache["layers"]) == 6 and cache["layers"][1]["latent"].shape == (2, 3 + _NEW, 24)
     outs.append(generate.generate(model, prompt, max_new_tokens=_NEW))
   np.testing.assert_array_equal(outs[0], outs[1])
 
