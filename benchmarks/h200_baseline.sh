@@ -31,12 +31,12 @@
 #   bash benchmarks/h200_baseline.sh decode_attention      # < 6 min: decode attention GPU tests, its tiers
 #                                                          # vs the bytes-read floor (H 8/64, S 4k-128k)
 #   DECODE_VARIANTS="hybrid all_mla" bash benchmarks/h200_baseline.sh decode
-#                                                          # <= 9 min: k3_small's decode loop vs its
+#                                                          # <= 10 min: k3_small's decode loop vs its
 #                                                          # all-MLA twin (4k/32k/128k, B 1/16); a second
 #                                                          # call for kda_only. One process per variant,
-#                                                          # DECODE_VARIANT_S each (2026-12-02: at B 1,
-#                                                          # contexts 4k/128k, 95 s was not enough to
-#                                                          # compile and fill a variant)
+#                                                          # DECODE_VARIANT_S each (default 290; on
+#                                                          # 2026-12-02 B 1 alone took ~120 s a variant:
+#                                                          # 55-65 s of compiles per B)
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
@@ -236,7 +236,7 @@ PY
       # bytes-moved floor per variant (benchmarks/decode.py); a process per variant, so that a
       # slow one cannot starve the others, and records merged per context.
       for variant in ${DECODE_VARIANTS:-hybrid all_mla kda_only}; do
-        timeout ${DECODE_VARIANT_S:-260} python3 -m benchmarks.decode --variants=$variant \
+        timeout ${DECODE_VARIANT_S:-290} python3 -m benchmarks.decode --variants=$variant \
           ${DECODE_ARGS:-} --out=$OUT/decode_h200.json 2>&1 | tee -a $OUT/decode.log \
           | grep -E "device|tok/s|Error"
       done

@@ -404,8 +404,9 @@ def decode(root: pathlib.Path) -> str:
   header = ["per output token, ms (floor)", "k3_small (3 KDA : 1 MLA)", "all-MLA twin",
             "KDA-only twin", "all-MLA / k3_small", "k3_small decode tok/s",
             "k3_small prefill tok/s", "k3_small cache MiB/seq", "all-MLA cache MiB/seq"]
-  floor = _copy_rate(keep, "Floor: weights and caches one step reads (and KDA states written) "
-                           "at the copy rate, ")
+  rates = sorted(r["copy_tbps"] for r in keep)
+  floor = (f"Floor: the bytes one step reads (and KDA states written) at the copy rate measured "
+           f"in each run, {rates[0]:.2f}-{rates[-1]:.2f} TB/s. " if rates else "")
   return f"{_table(header, body)}\n\n{floor}{res.caption(keep)}"
 
 
