@@ -33,14 +33,20 @@ measures JAX's dispatch and a trace (`common.device_ms`) would be needed. XLA ho
 of the scanned layers' weights out of the decode loop (seen in the compiled HLO on CPU), so a step
 reads each weight once. `--decode_attention_impl` picks the MLA layers' decode attention tier
 (recorded with the tier that ran). Records are merged into `--out` after each L.
+`--profile_dir=DIR` traces one decode loop per (variant, B) at the first context: device time
+per kernel, then per part of the model (`benchmarks/step_parts.py`, with the kernels of each
+part in the compiled loop; DIR/VARIANT_BB/parts.json).
 
   python3 -m benchmarks.decode --out=$OUT/decode_h200.json
 `--toy` runs a 2-layer k3_tiny (KDA + MLA, and its twins) at B 2, contexts 32 and 64 on CPU.
 """
+import collections
 import functools
 import gzip
 import json
 import math
+import os
+import pathlib
 import time
 
 import jax
@@ -50,6 +56,7 @@ from absl import app, flags
 from flax import nnx
 
 from benchmarks import common
+from benchmarks import step_parts
 from k3jax import config as config_lib
 from k3jax import generate
 from k3jax.model import K3ForCausalLM
@@ -70,17 +77,26 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace one decode loop per
 _DECODE_ATTENTION_IMPL = flags.DEFINE_enum(
     "decode_attention_impl", "", ("",) + decode_attention.IMPLS,
     "kernels.decode_attention_impl of the MLA layers (\"\": the platform default).")
+_MOE_DECODE_EXPERTS = flags.DEFINE_enum(
+    "moe_decode_experts", "", ("", "sorted", "gathered"),
+    "kernels.moe_decode_experts (\"\": the config's).")
+_PREFILL = flags.DEFINE_bool("prefill", True, "Compile and time the prefill chunks (off: decode "
+                             "only, prefill fields null).")
 CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
 TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=4, chunk_tokens=32)
-KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "device")
+KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "moe_decode_experts",
+              "xla_flags", "device")
 
 
-def variant_config(name: str, toy: bool, decode_attention_impl: str = ""):
+def variant_config(name: str, toy: bool, decode_attention_impl: str = "",
+                   moe_decode_experts: str = ""):
   """The config of a variant: k3_small (toy: k3_tiny with 2 layers) with bf16 parameters and no
   MTP layer, its layer pattern as `name` says."""
   overrides = {"model.param_dtype": "bfloat16", "model.mtp_num_layers": 0,
                "kernels.decode_attention_impl": decode_attention_impl}
+  if moe_decode_experts:
+    overrides["kernels.moe_decode_experts"] = moe_decode_experts
   if toy:
     overrides.update({"model.num_layers": 2, "model.full_attn_layers": (2,),
                       "model.dtype": "bfloat16"})
@@ -171,7 +187,10 @@ def fill_cache(cache: dict, key: jax.Array, *, context: int) -> dict:
 
 def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax.Array,
                    settings: tuple, steps: int, new_tokens: int, slots: int, top: int = 25):
-  """One decode loop under the profiler; prints device ms per step, by HLO op and kernel."""
+  """One decode loop under the profiler: device ms and kernels per step by kernel, then by part
+  (`benchmarks/step_parts.py`: the loop compiled again without CUDA graphs, whose kernels do not
+  name their HLO op, and traced again). Returns the cache; the parts table also goes to
+  `directory`/parts.json."""
   with jax.profiler.trace(directory):
     out, _, cache = generate._decode(model, cache, first, *settings, jnp.int32(new_tokens),
                                      capacity=slots)
@@ -183,6 +202,37 @@ def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax
         f"{sum(n for _, n, _ in rows) / steps:.0f} kernels", flush=True)
   for op, n, us in rows[:top]:
     print(f"  {us / 1e3 / steps:8.4f} ms/step {n / steps:6.1f}x  {op[:150]}", flush=True)
+
+  graphdef, state = nnx.split(model)
+
+  def loop(state, cache, first, *args):
+    return generate._decode(nnx.merge(graphdef, state), cache, first, *args, capacity=slots)
+
+  args = (first, *settings, jnp.int32(new_tokens))
+  options = ({"xla_gpu_enable_command_buffer": ""}
+             if jax.devices()[0].platform == "gpu" else {})
+  compiled = jax.jit(loop, donate_argnums=1).lower(state, cache, *args).compile(
+      compiler_options=options)
+  parts_dir = pathlib.Path(directory) / "parts"
+  cache = compiled(state, cache, *args)[2]
+  jax.block_until_ready(cache)
+  with jax.profiler.trace(str(parts_dir)):
+    cache = compiled(state, cache, *args)[2]
+    jax.block_until_ready(cache)
+  hlo = compiled.as_text()
+  (parts_dir / step_parts.HLO_FILE).write_text(hlo)
+  parts = step_parts.table_from_dir(str(parts_dir), steps)
+  counts = collections.Counter()
+  for (part, _), n in step_parts.kernel_counts(hlo).items():
+    counts[part] += n
+  for r in parts:
+    r["kernels_in_hlo"] = counts.get(r["part"], 0)
+  (pathlib.Path(directory) / "parts.json").write_text(json.dumps(parts, indent=1))
+  print(f"  by part (no CUDA graphs; kernels in the compiled loop's HLO, {sum(counts.values())} "
+        "in all):", flush=True)
+  for r in parts:
+    print(f"  {r['ms_per_step']:8.4f} ms/step {100 * r['share']:5.1f}%  "
+          f"{r['kernels_in_hlo']:4d} kernels  {r['part']}", flush=True)
   return cache
 
 
@@ -201,10 +251,12 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
   key = jax.random.key(batch)
   log = lambda msg: print(f"{name:8s} B={batch:<2d} {msg}", flush=True)
 
-  start = time.perf_counter()
-  cache = model.init_cache(batch, slots)
-  jax.block_until_ready(prefill_chunk(model, tokens(chunk), cache))
-  log(f"prefill chunk of {chunk} compiled in {time.perf_counter() - start:.1f} s")
+  prefill = _PREFILL.value
+  if prefill:
+    start = time.perf_counter()
+    cache = model.init_cache(batch, slots)
+    jax.block_until_ready(prefill_chunk(model, tokens(chunk), cache))
+    log(f"prefill chunk of {chunk} compiled in {time.perf_counter() - start:.1f} s")
   start = time.perf_counter()
   first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
   jax.block_until_ready(generate._decode(model, model.init_cache(batch, slots), first, *settings,
@@ -214,6 +266,8 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
   per_slot, per_row = cache_bytes(cache, batch)
   weights = weight_bytes_per_step(model, batch)
   tier = decode_tier(model, batch, slots)
+  moe_choice = next((layer.block_sparse_moe.decode_experts for layer in model.layers
+                     if layer.is_moe), "")
 
   def chunk_s(context: int, cache: dict) -> tuple[float, dict]:
     cache = jax.block_until_ready(fill_cache(cache, key, context=context))
@@ -222,12 +276,18 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     jax.block_until_ready((logits, cache))
     return time.perf_counter() - start, cache
 
-  empty_s, cache = chunk_s(0, cache)
+  empty_s, cache = chunk_s(0, cache) if prefill else (None, cache)
   for context in contexts:
-    depth_s, cache = chunk_s(context, cache)
-    # A chunk's cost is affine in the depth it continues (its attention reads the filled
-    # latents): prefill to L in L / C chunks takes about (L / C) * (t(0) + t(L)) / 2.
-    prefill_s = context / chunk * (empty_s + depth_s) / 2
+    prefill_rates = dict(prefill_tokens_per_s=None, prefill_chunk_tokens_per_s=None,
+                         prefill_s=None)
+    if prefill:
+      depth_s, cache = chunk_s(context, cache)
+      # A chunk's cost is affine in the depth it continues (its attention reads the filled
+      # latents): prefill to L in L / C chunks takes about (L / C) * (t(0) + t(L)) / 2.
+      prefill_s = context / chunk * (empty_s + depth_s) / 2
+      prefill_rates = dict(prefill_tokens_per_s=round(batch * context / prefill_s, 1),
+                           prefill_chunk_tokens_per_s=round(batch * chunk / depth_s, 1),
+                           prefill_s=round(prefill_s, 3))
     cache = jax.block_until_ready(fill_cache(cache, key, context=context))
     first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
     start = time.perf_counter()
@@ -246,19 +306,21 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                shape=dict(B=batch, context=context, slots=slots, new_tokens=new_tokens,
                           chunk=chunk),
                dtype="bfloat16", decode_tokens_per_s=round(batch * steps / decode_s, 2),
-               tpot_ms=round(tpot, 4), prefill_tokens_per_s=round(batch * context / prefill_s, 1),
-               prefill_chunk_tokens_per_s=round(batch * chunk / depth_s, 1),
-               prefill_s=round(prefill_s, 3), cache_bytes_per_seq=int(per_slot * context + per_row),
+               tpot_ms=round(tpot, 4), **prefill_rates,
+               cache_bytes_per_seq=int(per_slot * context + per_row),
                weight_bytes_per_step=int(weights), cache_bytes_per_step=int(cache_read),
                floor_ms=round(floor, 4), floor_fraction=round(floor / tpot, 3),
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
+               moe_decode_experts=moe_choice,
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
                timing="wall_once" if toy else "wall", device=common.device_name(),
                date=common.today(), commit=common.code_commit(), versions=common.versions())
+    prefill_note = (f"prefill {rec['prefill_tokens_per_s']:9.1f} tok/s (chunk at L "
+                    f"{rec['prefill_chunk_tokens_per_s']:9.1f})  " if prefill else "")
     log(f"L={context:<6d} decode {rec['decode_tokens_per_s']:9.1f} "
         f"tok/s  tpot {tpot:8.3f} ms (floor {floor:.3f} ms, {rec['floor_fraction']:.0%})  "
-        f"prefill {rec['prefill_tokens_per_s']:9.1f} tok/s (chunk at L "
-        f"{rec['prefill_chunk_tokens_per_s']:9.1f})  cache/seq "
-        f"{rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  [{tier or 'no MLA'}]")
+        f"{prefill_note}cache/seq {rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  "
+        f"[{tier or 'no MLA'}, {rec['moe_decode_experts']} experts]")
     common.merge_records(_OUT.value, [rec], KEY_FIELDS)
 
 
@@ -273,7 +335,7 @@ def main(argv):
   copy = copy_tbps(toy)
   print(f"device {common.device_name()}: copy {copy:.2f} TB/s", flush=True)
   for name in _VARIANTS.value:
-    cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value)
+    cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value, _MOE_DECODE_EXPERTS.value)
     # Eagerly: jitted, the hybrid's initialisation sat in XLA's GPU backend for minutes.
     model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
     for batch in batches:

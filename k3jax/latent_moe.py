@@ -39,6 +39,7 @@ RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
 EXPERT_FORMATS = ("float", "mxfp4")
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
+DECODE_EXPERTS = ("sorted", "gathered")
 
 
 class MoEBias(nnx.Variable):
@@ -219,6 +220,23 @@ def routed_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: Exp
     order, inverse, group_sizes = sort_by_expert(experts, num_experts)
   return grouped_experts(z, weights, order, inverse, group_sizes, w1, w3, w2, beta1, beta2,
                          ragged_dot, gate_up_impl, gate_up_train, interpret, qat=qat)
+
+
+def gathered_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: jax.Array,
+                     w3: jax.Array, w2: jax.Array, beta1: float, beta2: float,
+                     qat: bool = False) -> jax.Array:
+  """`routed_experts` for few token copies (decoding): each copy's W1/W3/W2 gathered
+  [N, k, in, out] and applied by batched matmuls, with no sort, permutation or grouped kernel
+  (Eq. 11). It reads N*k expert weights, repeats included, where the sorted path reads each
+  selected expert once: for N*k <= E. Float weights only; fp32 accumulation, each product
+  rounded to z's dtype as the grouped matmuls' outputs are, combined over k in fp32."""
+  z = expert_input(z, qat)
+  dot = lambda a, spec, w: jnp.einsum(spec, a, jnp.take(w, experts, axis=0),
+                                      preferred_element_type=jnp.float32).astype(z.dtype)
+  h = situ_lib.situ(dot(z, "nl,nklm->nkm", w1), dot(z, "nl,nklm->nkm", w3), beta1, beta2)
+  out = dot(expert_input(h.astype(z.dtype), qat), "nkm,nkml->nkl", w2)
+  return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32),
+                    out.astype(jnp.float32)).astype(z.dtype)
 
 
 def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array,
@@ -502,6 +520,9 @@ class LatentMoE(nnx.Module):
   `experts.{e}.{w}.weight_packed` / `.weight_scale` (HF, [out, in/2] / [out, in/32]) ->
   `experts.{w}_packed[e]` / `experts.{w}_scale[e]` for w in w1, w3, w2 (`k3jax.mx.pack_experts`
   makes them from a float model); their inputs are MXFP8-quantized when `qat` is set.
+  decode_experts ("sorted" | "gathered"): the routed experts of a cached call (`__call__`'s
+  `cached`) with N*k <= E token copies and float weights: through the sort and grouped
+  matmuls as in training, or `gathered_experts`.
   """
 
   def __init__(self, dim: int, *, num_experts: int, top_k: int, n_shared_experts: int,
@@ -512,7 +533,8 @@ class LatentMoE(nnx.Module):
                ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
                gate_up_train: str = "kernel", expert_parallel: str = "auto",
                ep_capacity_factor: float = 2.0, ep_all_to_all: str = "auto", qat: bool = False,
-               expert_format: str = "float", rngs: nnx.Rngs, dtype=jnp.float32,
+               expert_format: str = "float", decode_experts: str = "sorted",
+               rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
     if not 1 <= top_k < num_experts:
       raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts = {num_experts} "
@@ -526,6 +548,9 @@ class LatentMoE(nnx.Module):
       raise ValueError(f"qat must be a bool, got {qat!r}")
     if expert_format not in EXPERT_FORMATS:
       raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
+    if decode_experts not in DECODE_EXPERTS:
+      raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got "
+                       f"{decode_experts!r}")
     self.num_experts, self.top_k = num_experts, top_k
     self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
     self.beta1, self.beta2 = beta1, beta2
@@ -534,7 +559,7 @@ class LatentMoE(nnx.Module):
     self.gate_up_train = gate_up_train
     self.expert_parallel, self.ep_capacity_factor = expert_parallel, ep_capacity_factor
     self.ep_all_to_all = ep_all_to_all
-    self.qat, self.expert_format = qat, expert_format
+    self.qat, self.expert_format, self.decode_experts = qat, expert_format, decode_experts
     self.dtype = dtype
     self.use_latent = latent_size not in (0, dim)
     lat = latent_size if self.use_latent else dim
@@ -582,10 +607,12 @@ class LatentMoE(nnx.Module):
           rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     self.has_shared = n_shared_experts > 0
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, x: jax.Array, cached: bool = False
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B, T, d] -> (y [B, T, d], aux) with aux for the bias update and load statistics:
     loads [E] int32, qb_counts [E, bins] int32, qb_lo, qb_hi, num_tokens (and scores [N, E]
-    when qb_keep_scores; ep_dropped on the expert-parallel path)."""
+    when qb_keep_scores; ep_dropped on the expert-parallel path). cached: a prefill or decode
+    call (`decode_experts` applies)."""
     from k3jax import expert_parallel  # imported here: expert_parallel imports this module
     bsz, seq, dim = x.shape
     xf = x.reshape(bsz * seq, dim)
@@ -612,8 +639,14 @@ class LatentMoE(nnx.Module):
         weights, experts, scores, cutoffs = route(
             xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
             self.norm_topk_prob, return_cutoffs=True)
-      u = routed_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
-                         self.ragged_dot, self.gate_up_impl, self.gate_up_train, qat=self.qat)
+      if (cached and self.decode_experts == "gathered" and self.expert_format == "float"
+          and bsz * seq * self.top_k <= self.num_experts):
+        with jax.named_scope("moe_experts"):
+          u = gathered_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
+                               qat=self.qat)
+      else:
+        u = routed_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
+                           self.ragged_dot, self.gate_up_impl, self.gate_up_train, qat=self.qat)
       with jax.named_scope("moe_stats"):
         aux = routing_stats(scores, experts, bias, cutoffs, self.top_k, self.qb_num_bins)
       if self.qb_keep_scores:

@@ -164,7 +164,8 @@ class DecoderLayer(nnx.Module):
           qb_keep_scores=e.balancing == "quantile_exact", ragged_dot=_ragged_dot(gmm_impl),
           gate_up_impl=gate_up_impl, gate_up_train=gate_up_train,
           expert_parallel=e.expert_parallel, ep_capacity_factor=e.ep_capacity_factor,
-          ep_all_to_all=e.ep_all_to_all, qat=e.qat, expert_format=e.expert_format, rngs=rngs,
+          ep_all_to_all=e.ep_all_to_all, qat=e.qat, expert_format=e.expert_format,
+          decode_experts=kernels.moe_decode_experts if kernels else "sorted", rngs=rngs,
           dtype=dt, param_dtype=pdt)
     else:
       self.mlp = SiTUGLU(d, cfg.dense_intermediate_size, beta1=cfg.situ_beta1,
@@ -211,12 +212,13 @@ class DecoderLayer(nnx.Module):
     a = self.self_attn
     return {"latent": jnp.zeros((batch, max_len, a.kr + a.dr), a.dtype)}
 
-  def ffn(self, x: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+  def ffn(self, x: jax.Array, cached: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+    """Norm then the dense FFN or the MoE (cached: a prefill or decode call)."""
     with jax.named_scope("norm"):
       h = self.post_attention_layernorm(x)
     if self.is_moe:
       with jax.named_scope("moe"):
-        y, aux = self.block_sparse_moe(h)
+        y, aux = self.block_sparse_moe(h, cached)
       return checkpoint_name(y, "ffn_out"), {"moe": aux}
     with jax.named_scope("dense_ffn"):
       y = self.mlp(h)
@@ -227,7 +229,7 @@ def residual_layer(layer: DecoderLayer, x, segment_ids, positions, cache=None):
   """Pre-norm residual stream: x + attn(norm x), then + ffn(norm x)."""
   y, aux_a, cache = layer.token_mixer(x, segment_ids, positions, cache)
   x = x + y.astype(x.dtype)
-  y, aux_f = layer.ffn(x)
+  y, aux_f = layer.ffn(x, cache is not None)
   return x + y.astype(x.dtype), {**aux_a, **aux_f}, cache
 
 
@@ -247,7 +249,7 @@ def attn_res_layer(layer: DecoderLayer, blocks: list, partial, segment_ids, posi
   partial = partial + y.astype(partial.dtype)
   with jax.named_scope("attn_res"):
     h = attn_res.mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj, layer.eps)
-  y, aux_f = layer.ffn(h)
+  y, aux_f = layer.ffn(h, cache is not None)
   return blocks, partial + y.astype(partial.dtype), {**aux_a, **aux_f}, cache
 
 

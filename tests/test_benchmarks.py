@@ -226,7 +226,11 @@ def test_decode_attention_benchmark_times_every_tier_in_the_interpreters(tmp_pat
 
 def test_decode_benchmark_records_every_variant_and_context(tmp_path):
   out = tmp_path / "decode.json"
-  run_module("benchmarks.decode", "--toy", f"--out={out}")
+  run_module("benchmarks.decode", "--toy", f"--out={out}", f"--profile_dir={tmp_path}/prof")
+  for variant in ("hybrid", "all_mla", "kda_only"):
+    parts = json.loads((tmp_path / "prof" / f"{variant}_B2" / "parts.json").read_text())
+    assert {"MoE expert GEMMs", "norms"} <= {p["part"] for p in parts}, parts
+    assert ("MLA attention" in {p["part"] for p in parts}) == (variant != "kda_only")
   recs = records(out)
   # (MLA layers, KDA layers) of the 2-layer k3_tiny and its twins.
   layers = {"hybrid": (1, 1), "all_mla": (2, 0), "kda_only": (0, 2)}

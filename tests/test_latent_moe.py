@@ -181,6 +181,60 @@ def test_sorted_path_matches_loop_reference(uneven_case):
   assert np.abs(np.asarray(grads[2][0])).max() > 0.0
 
 
+def test_gathered_path_matches_loop_reference(uneven_case):
+  """The decode path (each copy's weights gathered) against the loop over experts, values and
+  gradients; repeated experts (expert 0 in 8 of the 20 copies) included."""
+  arrs, experts = uneven_case
+  names = ("z", "weights", "w1", "w3", "w2")
+
+  def loss(fn, *args):
+    kw = dict(zip(names, args))
+    out = fn(kw["z"], kw["weights"], experts, kw["w1"], kw["w3"], kw["w2"], B1, B2)
+    return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+  args = [arrs[n] for n in names]
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      lambda *a: loss(lm.gathered_experts, *a), argnums=range(5), has_aux=True))(*args)
+  (_, ref), ref_grads = jax.jit(jax.value_and_grad(
+      lambda *a: loss(routed_experts_loop_reference, *a), argnums=range(5), has_aux=True))(*args)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  for name, g, g_ref in zip(names, grads, ref_grads):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_gathered_path_with_qat_equals_sorted_path():
+  """MXFP8 inputs before W1/W3 and W2 on both paths (the weights are the caller's); blocks of
+  32 along l = 32 and m = 64, 3 tokens x 2 of 6 experts, expert 1 picked twice."""
+  rng = np.random.default_rng(8)
+  n_tok, lat, mid, num_e = 3, 32, 64, 6
+  experts = jnp.asarray([[1, 4], [0, 1], [5, 2]], jnp.int32)
+  f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  args = (f(n_tok, lat), jnp.abs(f(n_tok, 2)), experts, f(num_e, lat, mid), f(num_e, lat, mid),
+          0.1 * f(num_e, mid, lat), B1, B2)
+  np.testing.assert_allclose(lm.gathered_experts(*args, qat=True),
+                             lm.routed_experts(*args, qat=True), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(lm.gathered_experts(*args, qat=True), lm.gathered_experts(*args),
+                         rtol=1e-5, atol=1e-5)
+
+
+def test_module_takes_the_gathered_path_for_few_cached_tokens(monkeypatch):
+  """decode_experts="gathered": cached calls with N*k <= E tokens only; same output."""
+  sorted_model = small_moe()
+  gathered_model = small_moe(decode_experts="gathered")
+  calls = []
+  real = lm.gathered_experts
+  monkeypatch.setattr(lm, "gathered_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+  for shape, cached, taken in (((1, 3, 16), True, True), ((2, 1, 16), True, True),
+                               ((1, 4, 16), True, False), ((1, 3, 16), False, False)):
+    x = jax.random.normal(jax.random.key(7), shape)
+    calls.clear()
+    y, _ = gathered_model(x, cached)
+    assert bool(calls) == taken, (shape, cached)
+    np.testing.assert_allclose(y, sorted_model(x, cached)[0], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="decode_experts"):
+    small_moe(decode_experts="dense")
+
+
 def test_pluggable_ragged_dot_is_used(uneven_case):
   arrs, experts = uneven_case
   calls = []

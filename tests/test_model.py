@@ -175,6 +175,26 @@ def test_prefill_then_decode_equals_full_forward(block):
   assert [c["latent"].shape for c in cache["layers"] if "latent" in c] == [(2, 24, 16 + 8)] * 3
 
 
+def test_decode_with_gathered_experts_equals_sorted():
+  """kernels.moe_decode_experts: the gathered decode path gives the sorted path's logits
+  (prefill of 5 tokens x 2 rows takes the sorted path, decode steps the gathered one)."""
+  toks = jax.random.randint(jax.random.key(9), (2, 8), 0, 258)
+  extend = nnx.jit(lambda m, tokens, cache: m.extend(tokens, cache))
+  outs = []
+  for choice in ("sorted", "gathered"):
+    cfg = _tiny(**{"kernels.moe_decode_experts": choice})
+    model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(3), kernels=cfg.kernels)
+    assert model.layers[1].block_sparse_moe.decode_experts == choice
+    cache = model.init_cache(2, 8)
+    logits, cache = extend(model, toks[:, :5], cache)
+    steps = [logits]
+    for t in range(5, 8):
+      logits, cache = extend(model, toks[:, t:t + 1], cache)
+      steps.append(logits)
+    outs.append(jnp.concatenate(steps, 1))
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_parameter_paths_follow_hf_names(tiny_model):
   flat = {".".join(str(k) for k in path) for path, _ in nnx.to_flat_state(nnx.state(tiny_model))}
   for name in ["embed_tokens.embedding", "lm_head.kernel", "norm.scale",

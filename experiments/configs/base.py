@@ -80,6 +80,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn.attention_impl = ""  # MLA training attention (pallas_kernels.attention): "" best available
   # Absorbed-MLA decoding over the filled latent cache (pallas_kernels.decode_attention)
   kn.decode_attention_impl = ""  # "": the platform default
+  # Routed experts of prefill / decode calls with tokens x top-k <= experts: "sorted" (as in
+  # training) or "gathered" (each copy's expert weights gathered; no sort, no grouped kernel)
+  kn.moe_decode_experts = "sorted"
   kn.xla_triton_gemm = False  # XLA's own GEMMs: cuBLAS (False) or its Triton GEMM fusions (True)
 
   t = c.train = ml_collections.ConfigDict()
