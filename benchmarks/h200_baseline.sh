@@ -37,6 +37,9 @@
 #                                                          # DECODE_VARIANT_S each (default 290; on
 #                                                          # 2026-12-02 B 1 alone took ~120 s a variant:
 #                                                          # 55-65 s of compiles per B)
+#   bash benchmarks/h200_baseline.sh decode_paths         # ~3 min: k3_small decode at B 1, 4k: gathered
+#                                                          # MoE decode path, with the while loop in
+#                                                          # command buffers, sorted path
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
@@ -241,6 +244,18 @@ PY
           | grep -E "device|tok/s|Error"
       done
       ;;
+    decode_paths)
+      # k3_small's decode at B 1, context 4096, decode only: the MoE's gathered decode path,
+      # the same with XLA's command buffers extended to the while loop, then the sorted path.
+      for run in "gathered|" \
+          "gathered|--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+DYNAMIC_SLICE_FUSION,+DYNAMIC_SLICE_COPY_FUSION" \
+          "sorted|"; do
+        XLA_FLAGS="${run#*|}" timeout ${DECODE_PATH_S:-70} python3 -m benchmarks.decode \
+          --variants=hybrid --batches=1 --contexts=4096 --noprefill --new_tokens=65 \
+          --moe_decode_experts=${run%%|*} --out=$OUT/decode_paths_h200.json 2>&1 \
+          | tee -a $OUT/decode_paths.log | grep -E "tok/s|compiled|Error"
+      done
+      ;;
     train_remat)
       for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
         echo "== model.remat=$remat"
@@ -268,7 +283,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4, decode_attention, decode,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac
