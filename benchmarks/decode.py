@@ -20,8 +20,10 @@ Prefill tokens/s to L: a chunk's cost is affine in the depth it continues (its a
 filled latents; everything else is fixed), so prefill to L takes about (L / C) (t(0) + t(L)) / 2
 from the chunk times measured at depths 0 and L; the chunk's own rate at depth L is recorded too.
 
-Per (variant, B, L) the record has decode tokens/s (B * steps / s), the time per output token
-(tpot_ms), prefill tokens/s, the cache bytes per sequence at L (MLA latents L x 320 x 2 bytes a
+Per (variant, B, L) the record has the time per output token (tpot_ms: the wall-clock difference
+of a decode loop of new_tokens - 1 steps and one of 1 step, over new_tokens - 2, so that a call's
+fixed cost drops out; that cost is call_overhead_ms), decode tokens/s (B / tpot), prefill
+tokens/s, the cache bytes per sequence at L (MLA latents L x 320 x 2 bytes a
 layer; KDA a fixed fp32 state and conv tails), and the bytes-moved floor of one decode step: the
 weights it reads (all but the embedding table, of which B rows, and the routed experts, of which
 the expected share that B tokens select under uniform routing, 1 - (1 - k/E)^B) plus the caches
@@ -29,9 +31,9 @@ the expected share that B tokens select under uniform routing, 1 - (1 - k/E)^B) 
 rate measured in the same run (`common.copy_tbps`: bytes read + written per device second of an
 fp32 pass over 1 GiB); floor_fraction = floor / tpot. Timing: wall clock of whole calls (a decode
 loop of steps, a prefill chunk), each far longer than the ~0.07 ms below which a call's wall time
-measures JAX's dispatch and a trace (`common.device_ms`) would be needed. XLA hoists the stacking
-of the scanned layers' weights out of the decode loop (seen in the compiled HLO on CPU), so a step
-reads each weight once. `--decode_attention_impl` picks the MLA layers' decode attention tier
+measures JAX's dispatch and a trace (`common.device_ms`) would be needed. Cached calls run the
+layers unrolled (`K3ForCausalLM.hidden_states`), so a step reads each weight in place, once.
+`--decode_attention_impl` picks the MLA layers' decode attention tier
 (recorded with the tier that ran). Records are merged into `--out` after each L.
 `--profile_dir=DIR` traces one decode loop per (variant, B) at the first context: device time
 per kernel, then per part of the model (`benchmarks/step_parts.py`, with the kernels of each
@@ -68,7 +70,7 @@ _VARIANTS = flags.DEFINE_list("variants", ["hybrid", "all_mla", "kda_only"], "La
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "B values.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "Filled lengths L.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 33, "Tokens per decode run (new_tokens - 1 "
-                                   "decode steps after the first token).", lower_bound=2)
+                                   "decode steps after the first token).", lower_bound=3)
 _CHUNK_TOKENS = flags.DEFINE_integer("chunk_tokens", 16384, "Prefill tokens per call over the "
                                      "batch.", lower_bound=1)
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace one decode loop per (variant, B) at "
@@ -84,7 +86,7 @@ _PREFILL = flags.DEFINE_bool("prefill", True, "Compile and time the prefill chun
                              "only, prefill fields null).")
 CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
-TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=4, chunk_tokens=32)
+TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=6, chunk_tokens=32)
 KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "moe_decode_experts",
               "xla_flags", "device")
 
@@ -288,28 +290,36 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
       prefill_rates = dict(prefill_tokens_per_s=round(batch * context / prefill_s, 1),
                            prefill_chunk_tokens_per_s=round(batch * chunk / depth_s, 1),
                            prefill_s=round(prefill_s, 3))
-    cache = jax.block_until_ready(fill_cache(cache, key, context=context))
     first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
-    start = time.perf_counter()
-    out, n, cache = generate._decode(model, cache, first, *settings, jnp.int32(new_tokens),
-                                     capacity=slots)
-    jax.block_until_ready(out)
-    decode_s = time.perf_counter() - start
-    assert int(n) == new_tokens, (int(n), new_tokens)
+
+    def decode_s(tokens: int, cache: dict) -> tuple[float, dict]:
+      cache = jax.block_until_ready(fill_cache(cache, key, context=context))
+      start = time.perf_counter()
+      out, n, cache = generate._decode(model, cache, first, *settings, jnp.int32(tokens),
+                                       capacity=slots)
+      jax.block_until_ready(out)
+      assert int(n) == tokens, (int(n), tokens)
+      return time.perf_counter() - start, cache
+
+    # Per token: the difference of a loop of `steps` steps and one of 1 step, so that the
+    # call's fixed cost (nnx.jit's graph walk, dispatch, the output buffers) drops out.
+    one_s, cache = decode_s(2, cache)
+    loop_s, cache = decode_s(new_tokens, cache)
+    tpot = (loop_s - one_s) / (steps - 1) * 1e3
     if _PROFILE_DIR.value and context == contexts[0]:
       cache = profile_decode(f"{_PROFILE_DIR.value}/{name}_B{batch}", model, cache, first,
                              settings, steps, new_tokens, slots)
-    tpot = decode_s / steps * 1e3
     cache_read = batch * (per_slot * context + 2 * per_row)
     floor = (weights + cache_read) / copy / 1e9
     rec = dict(op="decode", variant=name,
                shape=dict(B=batch, context=context, slots=slots, new_tokens=new_tokens,
                           chunk=chunk),
-               dtype="bfloat16", decode_tokens_per_s=round(batch * steps / decode_s, 2),
-               tpot_ms=round(tpot, 4), **prefill_rates,
+               dtype="bfloat16", decode_tokens_per_s=round(batch / tpot * 1e3, 2) if tpot > 0 else None,
+               tpot_ms=round(tpot, 4), call_overhead_ms=round((one_s * 1e3 - tpot), 3),
+               **prefill_rates,
                cache_bytes_per_seq=int(per_slot * context + per_row),
                weight_bytes_per_step=int(weights), cache_bytes_per_step=int(cache_read),
-               floor_ms=round(floor, 4), floor_fraction=round(floor / tpot, 3),
+               floor_ms=round(floor, 4), floor_fraction=round(floor / tpot, 3) if tpot > 0 else None,
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
                moe_decode_experts=moe_choice,
                xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -317,8 +327,8 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                date=common.today(), commit=common.code_commit(), versions=common.versions())
     prefill_note = (f"prefill {rec['prefill_tokens_per_s']:9.1f} tok/s (chunk at L "
                     f"{rec['prefill_chunk_tokens_per_s']:9.1f})  " if prefill else "")
-    log(f"L={context:<6d} decode {rec['decode_tokens_per_s']:9.1f} "
-        f"tok/s  tpot {tpot:8.3f} ms (floor {floor:.3f} ms, {rec['floor_fraction']:.0%})  "
+    log(f"L={context:<6d} tpot {tpot:8.3f} ms (floor {floor:.3f} ms; a call's overhead "
+        f"{rec['call_overhead_ms']:.1f} ms)  "
         f"{prefill_note}cache/seq {rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  "
         f"[{tier or 'no MLA'}, {rec['moe_decode_experts']} experts]")
     common.merge_records(_OUT.value, [rec], KEY_FIELDS)

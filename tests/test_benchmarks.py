@@ -4,6 +4,7 @@ Device time is scarce: a script that breaks should break here, not on the H200. 
 asserted (speed lives in benchmarks/), only that each script finishes and what it records.
 """
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -245,6 +246,8 @@ def test_decode_benchmark_records_every_variant_and_context(tmp_path):
     assert r["cache_bytes_per_seq"] == mla * latent * n + linear * kda, r
     assert r["cache_bytes_per_step"] == 2 * (mla * latent * n + 2 * linear * kda), r
     assert r["decode_attention_tier"] == ("xla" if mla else "")
-    assert r["decode_tokens_per_s"] > 0 and r["tpot_ms"] > 0 and r["prefill_tokens_per_s"] > 0
+    # tpot is a difference of two wall times: its sign on a busy CPU is noise.
+    assert math.isfinite(r["tpot_ms"]) and math.isfinite(r["call_overhead_ms"])
+    assert r["prefill_tokens_per_s"] > 0 and r["moe_decode_experts"] == "sorted"
     assert 0 < r["floor_ms"] and r["weight_bytes_per_step"] > 0 and r["timing"] == "wall_once"
     assert r["commit"] and "jax" in r["versions"]

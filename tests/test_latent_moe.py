@@ -160,7 +160,11 @@ def uneven_case():
   return arrs, jnp.asarray(experts)
 
 
-def test_sorted_path_matches_loop_reference(uneven_case):
+@pytest.mark.parametrize("path", [lm.routed_experts, lm.gathered_experts],
+                         ids=["sorted", "gathered"])
+def test_routed_paths_match_loop_reference(uneven_case, path):
+  """The sorted (training) and gathered (decode) paths against the loop over experts, values
+  and gradients; expert 0 takes 8 of the 20 copies, expert 4 none."""
   arrs, experts = uneven_case
   names = ("z", "weights", "w1", "w3", "w2")
 
@@ -171,7 +175,7 @@ def test_sorted_path_matches_loop_reference(uneven_case):
 
   args = [arrs[n] for n in names]
   (_, out), grads = jax.jit(jax.value_and_grad(
-      lambda *a: loss(lm.routed_experts, *a), argnums=range(5), has_aux=True))(*args)
+      lambda *a: loss(path, *a), argnums=range(5), has_aux=True))(*args)
   (_, ref), ref_grads = jax.jit(jax.value_and_grad(
       lambda *a: loss(routed_experts_loop_reference, *a), argnums=range(5), has_aux=True))(*args)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -179,27 +183,6 @@ def test_sorted_path_matches_loop_reference(uneven_case):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
   assert np.abs(np.asarray(ref_grads[2][4])).max() == 0.0  # unused expert gets zero grad
   assert np.abs(np.asarray(grads[2][0])).max() > 0.0
-
-
-def test_gathered_path_matches_loop_reference(uneven_case):
-  """The decode path (each copy's weights gathered) against the loop over experts, values and
-  gradients; repeated experts (expert 0 in 8 of the 20 copies) included."""
-  arrs, experts = uneven_case
-  names = ("z", "weights", "w1", "w3", "w2")
-
-  def loss(fn, *args):
-    kw = dict(zip(names, args))
-    out = fn(kw["z"], kw["weights"], experts, kw["w1"], kw["w3"], kw["w2"], B1, B2)
-    return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
-
-  args = [arrs[n] for n in names]
-  (_, out), grads = jax.jit(jax.value_and_grad(
-      lambda *a: loss(lm.gathered_experts, *a), argnums=range(5), has_aux=True))(*args)
-  (_, ref), ref_grads = jax.jit(jax.value_and_grad(
-      lambda *a: loss(routed_experts_loop_reference, *a), argnums=range(5), has_aux=True))(*args)
-  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-  for name, g, g_ref in zip(names, grads, ref_grads):
-    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_gathered_path_with_qat_equals_sorted_path():
