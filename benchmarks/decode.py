@@ -194,8 +194,8 @@ def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax
   name their HLO op, and traced again). Returns the cache; the parts table also goes to
   `directory`/parts.json."""
   with jax.profiler.trace(directory):
-    out, _, cache = generate._decode(model, cache, first, *settings, jnp.int32(new_tokens),
-                                     capacity=slots)
+    out, _, cache = generate._decode(*nnx.split(model), cache, first, *settings,
+                                     jnp.int32(new_tokens), capacity=slots)
     jax.block_until_ready(out)
   with gzip.open(common.find_trace(directory)) as f:
     rows = common.device_op_times(json.load(f), by_hlo_op=True)
@@ -206,22 +206,19 @@ def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax
     print(f"  {us / 1e3 / steps:8.4f} ms/step {n / steps:6.1f}x  {op[:150]}", flush=True)
 
   graphdef, state = nnx.split(model)
-
-  def loop(state, cache, first, *args):
-    return generate._decode(nnx.merge(graphdef, state), cache, first, *args, capacity=slots)
-
   args = (first, *settings, jnp.int32(new_tokens))
   options = ({"xla_gpu_enable_command_buffer": ""}
              if jax.devices()[0].platform == "gpu" else {})
-  compiled = jax.jit(loop, donate_argnums=1).lower(state, cache, *args).compile(
+  compiled = generate._decode.lower(graphdef, state, cache, *args, capacity=slots).compile(
       compiler_options=options)
+  compiled = functools.partial(compiled, state)
   parts_dir = pathlib.Path(directory) / "parts"
-  cache = compiled(state, cache, *args)[2]
+  cache = compiled(cache, *args)[2]
   jax.block_until_ready(cache)
   with jax.profiler.trace(str(parts_dir)):
-    cache = compiled(state, cache, *args)[2]
+    cache = compiled(cache, *args)[2]
     jax.block_until_ready(cache)
-  hlo = compiled.as_text()
+  hlo = compiled.func.as_text()
   (parts_dir / step_parts.HLO_FILE).write_text(hlo)
   parts = step_parts.table_from_dir(str(parts_dir), steps)
   counts = collections.Counter()
@@ -261,8 +258,9 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     log(f"prefill chunk of {chunk} compiled in {time.perf_counter() - start:.1f} s")
   start = time.perf_counter()
   first = jnp.asarray(rng.integers(0, vocab, (batch,)), jnp.int32)
-  jax.block_until_ready(generate._decode(model, model.init_cache(batch, slots), first, *settings,
-                                         jnp.int32(2), capacity=slots))
+  graphdef, state = nnx.split(model)
+  jax.block_until_ready(generate._decode(graphdef, state, model.init_cache(batch, slots), first,
+                                         *settings, jnp.int32(2), capacity=slots))
   log(f"decode loop compiled in {time.perf_counter() - start:.1f} s")
   cache = model.init_cache(batch, slots)
   per_slot, per_row = cache_bytes(cache, batch)
@@ -295,8 +293,8 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     def decode_s(tokens: int, cache: dict) -> tuple[float, dict]:
       cache = jax.block_until_ready(fill_cache(cache, key, context=context))
       start = time.perf_counter()
-      out, n, cache = generate._decode(model, cache, first, *settings, jnp.int32(tokens),
-                                       capacity=slots)
+      out, n, cache = generate._decode(graphdef, state, cache, first, *settings,
+                                       jnp.int32(tokens), capacity=slots)
       jax.block_until_ready(out)
       assert int(n) == tokens, (int(n), tokens)
       return time.perf_counter() - start, cache
@@ -314,12 +312,13 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     rec = dict(op="decode", variant=name,
                shape=dict(B=batch, context=context, slots=slots, new_tokens=new_tokens,
                           chunk=chunk),
-               dtype="bfloat16", decode_tokens_per_s=round(batch / tpot * 1e3, 2) if tpot > 0 else None,
-               tpot_ms=round(tpot, 4), call_overhead_ms=round((one_s * 1e3 - tpot), 3),
-               **prefill_rates,
+               dtype="bfloat16", tpot_ms=round(tpot, 4),
+               decode_tokens_per_s=round(batch / tpot * 1e3, 2) if tpot > 0 else None,
+               call_overhead_ms=round((one_s * 1e3 - tpot), 3), **prefill_rates,
                cache_bytes_per_seq=int(per_slot * context + per_row),
                weight_bytes_per_step=int(weights), cache_bytes_per_step=int(cache_read),
-               floor_ms=round(floor, 4), floor_fraction=round(floor / tpot, 3) if tpot > 0 else None,
+               floor_ms=round(floor, 4),
+               floor_fraction=round(floor / tpot, 3) if tpot > 0 else None,
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
                moe_decode_experts=moe_choice,
                xla_flags=os.environ.get("XLA_FLAGS", ""),

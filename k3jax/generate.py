@@ -146,13 +146,16 @@ class Generation:
   shape: tuple[int, int, int]
 
 
-@functools.partial(nnx.jit, static_argnames=("cache_len",))
-def _prefill(model: K3ForCausalLM, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
-             temperature: jax.Array, top_p: jax.Array, *, cache_len: int
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len"))
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, lengths: jax.Array,
+             key: jax.Array, temperature: jax.Array, top_p: jax.Array, *, cache_len: int
              ) -> tuple[jax.Array, dict]:
   """Prompts tokens [B, P] (row b's first lengths[b] tokens, then padding) into a fresh cache
   of cache_len slots; returns (the first new tokens [B], drawn at each row's last prompt
-  token, the cache)."""
+  token, the cache). The model as `nnx.split(model)` gives it: jax.jit's dispatch of
+  a hashable graphdef and a state pytree takes milliseconds where nnx.jit's walk of the module
+  graph took most of a second per call for k3_small."""
+  model = nnx.merge(graphdef, state)
   cache = model.init_cache(tokens.shape[0], cache_len)
   h, _, cache = model.hidden_states(tokens, cache=cache, lengths=lengths)
   last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
@@ -160,15 +163,18 @@ def _prefill(model: K3ForCausalLM, tokens: jax.Array, lengths: jax.Array, key: j
   return _sample(logits, jax.random.fold_in(key, 0), temperature, top_p), cache
 
 
-@functools.partial(nnx.jit, static_argnames=("capacity",), donate_argnames=("cache",))
-def _decode(model: K3ForCausalLM, cache: dict, tok: jax.Array, key: jax.Array,
-            temperature: jax.Array, top_p: jax.Array, eos_id: jax.Array, max_new: jax.Array,
-            *, capacity: int) -> tuple[jax.Array, jax.Array, dict]:
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity"),
+                   donate_argnames=("cache",))
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, tok: jax.Array,
+            key: jax.Array, temperature: jax.Array, top_p: jax.Array, eos_id: jax.Array,
+            max_new: jax.Array, *, capacity: int) -> tuple[jax.Array, jax.Array, dict]:
   """New tokens 1 .. max_new - 1 after the first ones tok [B] (max_new traced, <= capacity).
 
   Returns (new tokens [B, capacity], the first n valid; n; the cache). Decoding stops early
   once every row has emitted eos_id (< 0: none); a finished row emits eos_id from then on.
+  The model as `nnx.split(model)` gives it (see `_prefill`).
   """
+  model = nnx.merge(graphdef, state)
   b = tok.shape[0]
   done = tok == eos_id
   out = jnp.zeros((b, capacity), jnp.int32).at[:, 0].set(tok)
@@ -262,14 +268,15 @@ def generate_timed(model: K3ForCausalLM, prompt_tokens: Any, *, max_new_tokens: 
   if mesh is not None:
     scope.enter_context(jax.set_mesh(mesh))
     scope.enter_context(sharding.logical_axis_rules(rules))
+  graphdef, state = nnx.split(model)
   with scope:
     start = time.perf_counter()
-    tok, cache = _prefill(model, put(padded), put(lengths), key, put(temperature), put(top_p),
-                          cache_len=shape[2])
+    tok, cache = _prefill(graphdef, state, put(padded), put(lengths), key, put(temperature),
+                          put(top_p), cache_len=shape[2])
     jax.block_until_ready(tok)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    out, n, _ = _decode(model, cache, tok, key, put(temperature), put(top_p),
+    out, n, _ = _decode(graphdef, state, cache, tok, key, put(temperature), put(top_p),
                         put(np.int32(-1 if eos_id is None else eos_id)),
                         put(np.int32(max_new_tokens)), capacity=shape[2])
     out, n = np.asarray(out), int(n)

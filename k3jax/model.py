@@ -314,7 +314,9 @@ class K3ForCausalLM(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs,
                kernels: ml_collections.ConfigDict | None = None):
     d = cfg.hidden_size
-    self.cfg = cfg
+    # Frozen: hashable, so that the model's graphdef can be a static jit argument
+    # (`k3jax.generate`; nnx.jit's per-call walk of a k3_small cost ~1 s on a CPU host).
+    self.cfg = ml_collections.FrozenConfigDict(cfg)
     self.dtype = config_lib.dtype(cfg.dtype)
     pdt = config_lib.dtype(cfg.param_dtype)
     normal = lambda key, shape, dt: jax.random.normal(key, shape, jnp.float32).astype(dt)
