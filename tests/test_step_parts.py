@@ -16,7 +16,7 @@ TINY = "experiments/configs/k3_tiny.py"
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
   """One traced step of k3_tiny cut to a KDA + dense-FFN layer and a gated-MLA + MoE layer, with
-  MTP, Muon + AdamW, QK-Clip, the bias update and full remat; its part records."""
+  MTP, Muon + AdamW, QK-Clip, the bias update and full remat: (its part records, its HLO)."""
   cfg = config.load(TINY, {"model.num_layers": 2, "model.full_attn_layers": (2,),
                            "model.remat": "full", "train.global_batch_size": 2,
                            "train.seq_len": 16})
@@ -35,10 +35,11 @@ def records(tmp_path_factory):
     jax.block_until_ready(step(state, batch))
   with gzip.open(common.find_trace(str(trace_dir))) as f:
     trace = json.load(f)
-  return step_parts.part_records(trace, step.as_text(), steps=1)
+  return step_parts.part_records(trace, step.as_text(), steps=1), step.as_text()
 
 
 def test_every_part_of_the_step_is_timed_and_shares_sum_to_one(records):
+  records, hlo = records
   by_part = {r["part"]: r for r in records}
   for part in ("KDA layers", "MLA attention", "AttnRes", "dense FFN", "norms", "MoE routing",
                "MoE expert GEMMs", "MoE permutations (dispatch, combine)", "MTP block",
@@ -51,7 +52,11 @@ def test_every_part_of_the_step_is_timed_and_shares_sum_to_one(records):
     assert by_part[part]["bwd_ms"] > 0 and by_part[part]["fwd_ms"] > 0, part
   recomputed = by_part["remat recomputation"]["recomputed_ms"]
   assert {"KDA layers", "MLA attention"} <= set(recomputed)
-  assert sum(r["share"] for r in records if r["part"].startswith("other")) < 0.3
+  # What stays unattributed, counted in kernels: its share of the CPU trace's time depends on
+  # the host (0.25-0.35 seen on 2-core hosts), the compiled step's kernels do not (0.14).
+  kernels = step_parts.kernel_counts(hlo)
+  other = sum(n for (part, _), n in kernels.items() if part.startswith("other"))
+  assert other / sum(kernels.values()) < 0.2, other
   table = step_parts.markdown(records)
   assert all(f"| {r['part']} |" in table for r in records) and "remat recomputes:" in table
 
