@@ -74,8 +74,8 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 33, "Tokens per decode run (new
 _CHUNK_TOKENS = flags.DEFINE_integer("chunk_tokens", 16384, "Prefill tokens per call over the "
                                      "batch.", lower_bound=1)
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace one decode loop per (variant, B) at "
-                                   "the first context into this directory and print the device "
-                                   "time per kernel and step.")
+                                   "the first context into this directory; print the device time "
+                                   "per step by kernel and by part (`profile_decode`).")
 _DECODE_ATTENTION_IMPL = flags.DEFINE_enum(
     "decode_attention_impl", "", ("",) + decode_attention.IMPLS,
     "kernels.decode_attention_impl of the MLA layers (\"\": the platform default).")
@@ -124,7 +124,7 @@ def cache_bytes(cache: dict, batch: int) -> tuple[float, float]:
   """(bytes per row per latent slot, bytes per row of the fixed-size KDA states and tails)."""
   per_slot = per_row = 0.0
   for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
-    if getattr(path[-1], "key", None) == "latent":  # [B, S, C] or [U, B, S, C]
+    if getattr(path[-1], "key", None) == "latent":  # [B, S, C]
       per_slot += x.size / (batch * x.shape[-2]) * x.dtype.itemsize
     elif getattr(path[-1], "key", None) != "index":
       per_row += x.size / batch * x.dtype.itemsize
@@ -181,7 +181,7 @@ def fill_cache(cache: dict, key: jax.Array, *, context: int) -> dict:
       out.append(jnp.full_like(x, context))
       continue
     r = (0.02 * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)).astype(x.dtype)
-    if name == "latent":  # [B, S, C] or [U, B, S, C]
+    if name == "latent":  # [B, S, C]
       r = jnp.where(jnp.arange(x.shape[-2])[:, None] < context, r, 0).astype(x.dtype)
     out.append(r)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -193,8 +193,9 @@ def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax
   (`benchmarks/step_parts.py`: the loop compiled again without CUDA graphs, whose kernels do not
   name their HLO op, and traced again). Returns the cache; the parts table also goes to
   `directory`/parts.json."""
+  graphdef, state = nnx.split(model)
   with jax.profiler.trace(directory):
-    out, _, cache = generate._decode(*nnx.split(model), cache, first, *settings,
+    out, _, cache = generate._decode(graphdef, state, cache, first, *settings,
                                      jnp.int32(new_tokens), capacity=slots)
     jax.block_until_ready(out)
   with gzip.open(common.find_trace(directory)) as f:
@@ -205,7 +206,6 @@ def profile_decode(directory: str, model: K3ForCausalLM, cache: dict, first: jax
   for op, n, us in rows[:top]:
     print(f"  {us / 1e3 / steps:8.4f} ms/step {n / steps:6.1f}x  {op[:150]}", flush=True)
 
-  graphdef, state = nnx.split(model)
   args = (first, *settings, jnp.int32(new_tokens))
   options = ({"xla_gpu_enable_command_buffer": ""}
              if jax.devices()[0].platform == "gpu" else {})
