@@ -23,6 +23,8 @@
 #                                                          # MoE layer per choice with traces
 #   bash benchmarks/h200_baseline.sh train_parts           # ~6 min: the k3_small step, its compile by
 #                                                          # phase and compiler event, device time by part
+#   bash benchmarks/h200_baseline.sh train_compile         # ~3 min: the step's compile under the
+#                                                          # profiler, its trace in $OUT
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
 #   bash benchmarks/h200_baseline.sh mxfp4                 # <= 6 min: MXFP4 matmul GPU tests, ours (and
@@ -273,6 +275,15 @@ PY
         --compile_trace_dir=/tmp/train_compile --profile_dir=/tmp/train_parts 2>&1 \
         | tee $OUT/train_parts.log | grep -vE "^\{" | tail -60
       ;;
+    train_compile)
+      # The k3_small step's compile under the profiler (host events of every compiler thread),
+      # the trace kept as $OUT/train_compile.trace.json.gz for a timeline of the compile.
+      rm -rf /tmp/train_compile
+      timeout ${TRAIN_S:-300} python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+        --config.train.global_batch_size=2 --steps=2 ${TRAIN_ARGS:-} --out=$OUT/train_compile.json \
+        --compile_trace_dir=/tmp/train_compile 2>&1 | tee $OUT/train_compile.log | grep -vE "^\{" | tail -30
+      cp "$(find /tmp/train_compile -name '*.trace.json.gz' | head -1)" $OUT/train_compile.trace.json.gz
+      ;;
     train_trace)
       rm -rf /tmp/train_trace
       timeout 450 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
@@ -283,7 +294,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, attention, mxfp4, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac
