@@ -398,12 +398,14 @@ def decode(root: pathlib.Path) -> str:
       cells.append(f"{r['tpot_ms']:.2f} ({r['floor_ms']:.2f})" if r else "")
     hybrid, mla = at.get((key, "hybrid")), at.get((key, "all_mla"))
     cells.append(f"{mla['tpot_ms'] / hybrid['tpot_ms']:.2f}" if hybrid and mla else "")
-    cells += [f"{hybrid['decode_tokens_per_s']:.0f}", f"{hybrid['prefill_tokens_per_s']:.0f}",
+    cells.append(f"{hybrid['tpot_ms'] / hybrid['floor_ms']:.1f}" if hybrid else "")
+    prefill = hybrid and hybrid.get("prefill_tokens_per_s")
+    cells += [f"{hybrid['decode_tokens_per_s']:.0f}", f"{prefill:.0f}" if prefill else "",
               f"{hybrid['cache_bytes_per_seq'] / 2**20:.1f}"] if hybrid else ["", "", ""]
     cells.append(f"{mla['cache_bytes_per_seq'] / 2**20:.1f}" if mla else "")
     body.append([f"B {key[0]}, context {key[1]}"] + cells)
   header = ["per output token, ms (floor)", "k3_small (3 KDA : 1 MLA)", "all-MLA twin",
-            "KDA-only twin", "all-MLA / k3_small", "k3_small decode tok/s",
+            "KDA-only twin", "all-MLA / k3_small", "k3_small / floor", "k3_small decode tok/s",
             "k3_small prefill tok/s", "k3_small cache MiB/seq", "all-MLA cache MiB/seq"]
   rates = sorted(r["copy_tbps"] for r in keep)
   floor = (f"Floor: the bytes one step reads (and KDA states written) at the copy rate measured "
