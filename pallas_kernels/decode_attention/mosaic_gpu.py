@@ -35,6 +35,7 @@ bfloat16 or both float16, Dk a multiple of 64, v_dim a multiple of 128 and at mo
 S >= 64, the query tile and two cache blocks in shared memory (Dk <= 576).
 """
 import dataclasses
+import functools
 import math
 
 import jax
@@ -151,6 +152,8 @@ def supports(q, cache, lengths, *, v_dim: int, q_positions=None, interpret: bool
   return _check_config(cfg, b, dk, interpret)
 
 
+# jitted: identical calls (every layer's) lower to one function, so XLA builds the kernel once
+@functools.partial(jax.jit, static_argnames=("cfg", "v_dim", "scale", "interpret"))
 def _kernel(meta, q, qpos, cache, *, cfg: Config, v_dim: int, scale: float, interpret: bool):
   """(o [B, splits, M_pad, v_dim] fp32, lse [B, splits, M_pad] fp32): each split's normalised
   partial output and log2-sum-exp (-inf where a row saw nothing); splits that start at or past

@@ -66,6 +66,7 @@ of 16), N a multiple of 2 * block_n. Not differentiable by itself (the API's cus
 differentiates x through the reference).
 """
 import dataclasses
+import functools
 
 import jax
 from jax import lax
@@ -326,6 +327,8 @@ def _dequantize(p_ref, s_ref, scale_col, rows: int, dequant: str, interpret: boo
 # The kernel
 # ------------------------------------------------------------------------------------------
 
+# jitted: identical calls (every layer's) lower to one function, so XLA builds the kernel once
+@functools.partial(jax.jit, static_argnames=("cfg", "num_ctas", "out_dtype", "interpret"))
 def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtype,
             interpret: bool):
   """out [split_k, M_pad, N]: split s of x @ W_g^T for the rows of group g, zeros past the

@@ -482,6 +482,9 @@ def _tile_pipeline_scoped(*, stages, local_tiles, acc_shape, tile, load, mma, st
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+# jitted: identical calls (every layer's) lower to one function, so XLA builds the kernel once
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "transpose_rhs", "num_sms",
+                                             "interpret"))
 def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bool,
             num_sms: int, interpret: bool):
   """Warp-specialised gmm; sizes_ext [G + 1] = group sizes + rows past their sum (the padding
@@ -706,6 +709,8 @@ def serpentine_count(num_tiles, cta, num_ctas: int):
   return rounds + (jnp.where(lax.rem(rounds, 2) == 0, cta, num_ctas - 1 - cta) < rem)
 
 
+@functools.partial(jax.jit, static_argnames=("num_groups", "cfg", "out_dtype", "num_sms",
+                                             "interpret"))
 def _tgmm_ws(lhs, rhs, starts, ends, *, num_groups: int, cfg: TgmmConfig, out_dtype,
              num_sms: int, interpret: bool):
   """Warp-specialised tgmm; the compute warpgroups split the K rows of each output tile."""

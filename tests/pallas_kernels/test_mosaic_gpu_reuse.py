@@ -1,0 +1,68 @@
+"""Identical Mosaic GPU kernel calls lower to one kernel, on any host (lowered for CUDA).
+
+XLA builds each distinct Mosaic GPU kernel once, one after another, while it emits the program
+(k3_small's train step: ~1 s a kernel). JAX's Mosaic GPU serialisation stamps every lowering
+with a fresh name (`mosaic_gpu.dump_basename`), so each op's kernel entry point is a `jax.jit`
+function: the calls of every layer share one lowering and one kernel hash.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.decode_attention import mosaic_gpu as decode_mgpu
+from pallas_kernels.mxfp4_matmul import mosaic_gpu as mxfp4_mgpu
+from pallas_kernels.ragged_dot import api as ragged_api
+from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mgpu
+
+BF16 = jnp.bfloat16
+sd = lambda *shape, dtype=BF16: jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _kernel_hashes(fn, *args) -> list[str]:
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+
+def _layers(one, n: int = 3):
+  """n calls of `one` on different values, each in its own name scope (as the model's layers)."""
+  def fn(x, *rest):
+    out = 0
+    for i in range(n):
+      with jax.named_scope(f"layer_{i}"):
+        out = out + one(x * (i + 1), *rest)
+    return out
+  return fn
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+  for mod, sms in ((ragged_mgpu, "_num_sms"), (decode_mgpu, "num_sms"), (mxfp4_mgpu, "num_sms")):
+    monkeypatch.setattr(mod, "is_hopper", lambda: True)
+    monkeypatch.setattr(mod, sms, lambda interpret: 132)
+
+
+def test_ragged_dot_forward_and_backward_kernels_are_shared(hopper):
+  one = lambda x, w, gs: ragged_api.ragged_dot(x, w, gs, impl="mosaic_gpu")
+  args = (sd(1024, 512), sd(8, 512, 256), sd(8, dtype=jnp.int32))
+  assert len(set(_kernel_hashes(one, *args))) == 1
+  assert len(set(_kernel_hashes(_layers(one), *args))) == 1
+
+  grad = lambda f: jax.grad(lambda x, w, gs: jnp.sum(f(x, w, gs).astype(jnp.float32)),
+                            argnums=(0, 1))
+  assert len(set(_kernel_hashes(grad(one), *args))) == 2      # d_lhs (gmm), d_rhs (tgmm)
+  assert len(set(_kernel_hashes(grad(_layers(one)), *args))) == 2
+
+
+def test_decode_attention_kernel_is_shared(hopper):
+  one = lambda q, c, l, p: decode_mgpu.decode_attention(q, c, l, p, v_dim=256, scale=0.06)
+  args = (sd(2, 1, 8, 320), sd(2, 4096, 320), sd(2, dtype=jnp.int32), sd(2, 1, dtype=jnp.int32))
+  assert len(set(_kernel_hashes(_layers(one), *args))) == 1
+
+
+def test_mxfp4_matmul_kernel_is_shared(hopper):
+  u8 = jnp.uint8
+  one = lambda x, p, s: mxfp4_mgpu.matmul(x, p, s)
+  args = (sd(16, 512), sd(256, 256, dtype=u8), sd(256, 16, dtype=u8))
+  assert len(set(_kernel_hashes(_layers(one), *args))) == 1
