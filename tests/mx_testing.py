@@ -3,6 +3,8 @@ written out from the spec's tables and nearest-grid-point rounding (test_mx, tes
 import numpy as np
 
 E2M1_GRID = np.array([0, .5, 1, 1.5, 2, 3, 4, 6])
+# E2M1 code -> value: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0.
+E2M1_CODES = np.concatenate([E2M1_GRID, -E2M1_GRID])
 # E4M3 positive codes 0..126 in order: subnormals m/8 2^-6, normals (1 + m/8) 2^e, e in
 # [-6, 8]; code 127 (1.875 2^8) is NaN.
 E4M3_GRID = np.array([m / 8 * 2.0**-6 for m in range(8)]

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import qwix
 
 from k3jax import mx
-from mx_testing import E2M1_GRID, E4M3_GRID, np_quantize
+from mx_testing import E2M1_CODES, E2M1_GRID, E4M3_GRID, np_quantize
 
-E2M1_CODES = np.concatenate([E2M1_GRID, -E2M1_GRID])   # bit 3 is the sign
 
 
 def bits(a):

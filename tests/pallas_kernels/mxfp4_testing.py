@@ -1,10 +1,7 @@
-"""numpy oracles shared by the MXFP4 matmul tests: the E2M1 nibble table written out from the
-spec (k3_techniques.md §7), independent of `k3jax.mx`, and weights holding every code."""
+"""numpy oracles shared by the MXFP4 matmul tests: dequantization by the E2M1 table written out
+from the spec (`tests/mx_testing.py`, independent of `k3jax.mx`), and weights holding every code."""
 import numpy as np
-
-# E2M1 code -> value: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0.
-NIBBLE = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+from mx_testing import E2M1_CODES as NIBBLE
 
 
 def dequantize(packed, scale) -> np.ndarray:
