@@ -141,6 +141,9 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Co
     store(zeros, zeros)
 
 
+# jitted: every layer's call shares one lowering (and one Triton kernel for XLA to build)
+@functools.partial(jax.jit, static_argnames=("beta1", "beta2", "return_situ_grads",
+                                             "interpret", "config"))
 def gate_up(x: jax.Array, rows: jax.Array, w1: jax.Array, w3: jax.Array,
             group_sizes: jax.Array, *, beta1: float, beta2: float,
             return_situ_grads: bool = False, interpret: bool = False,

@@ -102,6 +102,8 @@ def _kernel(x_ref, values_ref, indices_ref, *, k: int, block_rows: int):
   plgpu_triton.store(indices_ref.at[out], indices, mask=mask)
 
 
+# jitted: every layer's call shares one lowering (and one Triton kernel for XLA to build)
+@functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "interpret"))
 def top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """x [N, E] -> (values [N, k] x.dtype, indices [N, k] int32), lax.top_k's result.

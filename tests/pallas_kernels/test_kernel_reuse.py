@@ -1,9 +1,11 @@
-"""Identical Mosaic GPU kernel calls lower to one kernel, on any host (lowered for CUDA).
+"""Identical kernel calls (one per layer) lower to one kernel, on any host.
 
 XLA builds each distinct Mosaic GPU kernel once, one after another, while it emits the program
 (k3_small's train step: ~1 s a kernel). JAX's Mosaic GPU serialisation stamps every lowering
 with a fresh name (`mosaic_gpu.dump_basename`), so each op's kernel entry point is a `jax.jit`
-function: the calls of every layer share one lowering and one kernel hash.
+function: the calls of every layer share one lowering and one kernel hash (checked lowered for
+CUDA). The Pallas Triton kernels' entry points are `jax.jit` functions too (checked in their
+interpreter: one lowered function, called once per layer).
 """
 import re
 
@@ -12,9 +14,11 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.decode_attention import mosaic_gpu as decode_mgpu
+from pallas_kernels.moe_gate_up import triton as gate_up_triton
 from pallas_kernels.mxfp4_matmul import mosaic_gpu as mxfp4_mgpu
 from pallas_kernels.ragged_dot import api as ragged_api
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mgpu
+from pallas_kernels.top_k import triton as top_k_triton
 
 BF16 = jnp.bfloat16
 sd = lambda *shape, dtype=BF16: jax.ShapeDtypeStruct(shape, dtype)
@@ -66,3 +70,23 @@ def test_mxfp4_matmul_kernel_is_shared(hopper):
   one = lambda x, p, s: mxfp4_mgpu.matmul(x, p, s)
   args = (sd(16, 512), sd(256, 256, dtype=u8), sd(256, 16, dtype=u8))
   assert len(set(_kernel_hashes(_layers(one), *args))) == 1
+
+
+def _one_lowering(fn, name: str, *args) -> None:
+  """`name` lowered to one private function called by each of the three layers."""
+  text = jax.jit(_layers(fn)).trace(*args).lower().as_text()
+  assert len(re.findall(rf"func\.func private @{name}\b", text)) == 1, text[:2000]
+  assert len(re.findall(rf"call @{name}\b", text)) == 3
+
+
+def test_top_k_triton_lowering_is_shared():
+  one = lambda x: top_k_triton.top_k(x, 4, interpret=True)[0]
+  _one_lowering(one, "top_k", sd(64, 32, dtype=jnp.float32))
+
+
+def test_gate_up_triton_lowering_is_shared():
+  one = lambda x, rows, w1, w3, gs: gate_up_triton.gate_up(x, rows, w1, w3, gs, beta1=1.0,
+                                                            beta2=1.0, interpret=True)
+  args = (sd(16, 64), sd(32, dtype=jnp.int32), sd(4, 64, 64), sd(4, 64, 64),
+          sd(4, dtype=jnp.int32))
+  _one_lowering(one, "gate_up", *args)
