@@ -150,7 +150,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _positive(cfg, "model.moe.num_experts_per_tok", "model.moe.moe_intermediate_size")
     if m.moe.num_experts_per_tok > m.moe.num_experts:
       raise ConfigError("model.moe.num_experts_per_tok",
-                        f"top-k {m.moe.num_experts_per_tok} exceeds num_experts {m.moe.num_experts}")
+                        f"top-k {m.moe.num_experts_per_tok} exceeds num_experts "
+                        f"{m.moe.num_experts}")
     factor = m.moe.ep_capacity_factor
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
       raise ConfigError("model.moe.ep_capacity_factor", f"must be a number > 0, got {factor!r}")
@@ -181,18 +182,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not (cfg.mesh.data == -1 or (isinstance(cfg.mesh.data, int) and cfg.mesh.data > 0)):
     raise ConfigError("mesh.data", f"must be -1 (auto) or a positive integer, got {cfg.mesh.data}")
   if m.moe.num_experts and m.moe.num_experts % cfg.mesh.expert:
-    raise ConfigError("mesh.expert",
-                      f"{cfg.mesh.expert} does not divide model.moe.num_experts={m.moe.num_experts}")
+    raise ConfigError("mesh.expert", f"{cfg.mesh.expert} does not divide "
+                      f"model.moe.num_experts={m.moe.num_experts}")
   sizes = {"pipeline": cfg.mesh.pipeline, "expert": cfg.mesh.expert, "context": cfg.mesh.context,
            "data": max(cfg.mesh.data, 1)}
   head_counts = {"model.kda.num_heads": m.kda.num_heads, "model.mla.num_heads": m.mla.num_heads}
   for rule in cfg.mesh.logical_axis_rules:
     if len(rule) != 2 or not isinstance(rule[0], str):
-      raise ConfigError("mesh.logical_axis_rules", f"each rule is (logical_name, mesh_axes), got {rule!r}")
+      raise ConfigError("mesh.logical_axis_rules",
+                        f"each rule is (logical_name, mesh_axes), got {rule!r}")
     for ax in rule[1] or ():
       if ax not in ("data", "pipeline", "expert", "context"):
-        raise ConfigError("mesh.logical_axis_rules",
-                          f"rule {rule!r} names mesh axis {ax!r}; allowed: data, pipeline, expert, context")
+        raise ConfigError("mesh.logical_axis_rules", f"rule {rule!r} names mesh axis {ax!r}; "
+                          "allowed: data, pipeline, expert, context")
     if rule[0] == "heads":
       shards = 1
       for ax in rule[1] or ():

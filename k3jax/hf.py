@@ -631,8 +631,9 @@ def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.M
   and filled tensor by tensor, each parameter placed by the mesh's rules
   (`mesh.logical_axis_rules`, `sharding.param_spec`) when `mesh` is given, else on the first
   device. Routed experts are unpacked (`k3jax.mx.unpack_k3`), or kept packed as they are when
-  `config` has `model.moe.expert_format` "mxfp4". A checkpoint without MTP weights gives a model without MTP, or with a freshly
-  initialised MTP layer (`seed`) when init_mtp; either is logged as a warning.
+  `config` has `model.moe.expert_format` "mxfp4". A checkpoint without MTP weights gives a model
+  without MTP, or with a freshly initialised MTP layer (`seed`) when init_mtp; either is logged as
+  a warning.
   """
   hf_config = read_config(path)
   cfg = config_from_hf(hf_config, config)

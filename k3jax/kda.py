@@ -79,7 +79,8 @@ class KDA(nnx.Module):
     self.num_heads, self.head_dim, self.eps = h, d_h, eps
     self.gate_kind, self.lower_bound, self.dtype, self.impl = gate, gate_lower_bound, dtype, impl
     lin = params.fan_in_init((0,))
-    proj = lambda shape, axes, init=lin: nnx.Dict(kernel=params.param(rngs, init, shape, axes, param_dtype))
+    proj = lambda shape, axes, init=lin: nnx.Dict(
+        kernel=params.param(rngs, init, shape, axes, param_dtype))
     self.q_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
     self.k_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
     self.v_proj = proj((dim, h, d_h), ("embed", "heads", "kv"))
@@ -164,7 +165,8 @@ class KDA(nnx.Module):
     o = rms_norm(o.astype(jnp.float32), self.o_norm["scale"][...], self.eps)
     o = (o * jax.nn.sigmoid(z.astype(jnp.float32))).astype(dt)
     y = jnp.einsum("bthk,hkd->btd", o, w(self.o_proj))
-    new_cache = None if cache is None else {"state": state, "conv_q": cq, "conv_k": ck, "conv_v": cv}
+    new_cache = (None if cache is None else
+                 {"state": state, "conv_q": cq, "conv_k": ck, "conv_v": cv})
     return y, new_cache
 
   def init_cache(self, batch: int) -> dict:

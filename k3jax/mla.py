@@ -46,7 +46,8 @@ class GatedMLA(nnx.Module):
     self.attention_impl = attention_impl or None
     self.decode_attention_impl = decode_attention_impl or None
     lin = params.fan_in_init((0,))
-    proj = lambda shape, axes, init=lin: nnx.Dict(kernel=params.param(rngs, init, shape, axes, param_dtype))
+    proj = lambda shape, axes, init=lin: nnx.Dict(
+        kernel=params.param(rngs, init, shape, axes, param_dtype))
     scale = lambda n, ax: nnx.Dict(scale=params.param(rngs, params.ones_init, (n,), (ax,)))
     if q_lora_rank:
       self.q_a_proj = proj((dim, q_lora_rank), ("embed", "q_lora"))

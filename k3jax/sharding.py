@@ -99,7 +99,8 @@ def tree_shardings(tree, names, mesh: Mesh, rules):
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
-  """Sharding of [B, T] batch arrays: batch over `activation_batch`, length over `activation_length`."""
+  """Sharding of [B, T] batch arrays: batch over `activation_batch`, length over
+  `activation_length`."""
   return NamedSharding(mesh, logical_to_mesh(("activation_batch", "activation_length"), rules))
 
 

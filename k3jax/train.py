@@ -239,7 +239,8 @@ def state_shardings(setup: Setup, state: TrainState, mesh, rules) -> TrainState:
   b_sh = sharding.tree_shardings(state["buffers"], setup.logical_names["buffers"], mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
   return {"step": replicated, "params": p_sh, "buffers": b_sh,
-          "opt_state": sharding.tree_shardings_like(state["opt_state"], state["params"], p_sh, mesh)}
+          "opt_state": sharding.tree_shardings_like(state["opt_state"], state["params"], p_sh,
+                                                    mesh)}
 
 
 def optimizer_table(train_cfg: ml_collections.ConfigDict, params) -> str:
