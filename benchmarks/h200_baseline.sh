@@ -30,6 +30,9 @@
 #   bash benchmarks/h200_baseline.sh mxfp4                 # <= 6 min: MXFP4 matmul GPU tests, ours (and
 #                                                          # its MXFP4_VARIANTS) vs bf16 XLA and the bf16
 #                                                          # grouped GEMM (K3 shapes, device time)
+#   bash benchmarks/h200_baseline.sh mxfp4_xla             # <= 5 min: the MXFP4 xla tier vs bf16
+#                                                          # XLA, default flags and XLA's fused
+#                                                          # dequantization ($OUT/mxfp4_xla_*.json)
 #   bash benchmarks/h200_baseline.sh decode_attention      # < 6 min: decode attention GPU tests, its tiers
 #                                                          # vs the bytes-read floor (H 8/64, S 4k-128k)
 #   DECODE_VARIANTS="hybrid all_mla" bash benchmarks/h200_baseline.sh decode
@@ -226,6 +229,16 @@ PY
         --variants=${MXFP4_VARIANTS:-full_x,select} 2>&1 | tee $OUT/mxfp4.log \
         | grep -E "device|ms|mxfp4_mosaic_gpu|declined"
       ;;
+    mxfp4_xla)
+      # The MXFP4 xla tier (the weight in XLA's float4 / E8M0 types) against bf16 XLA, with the
+      # default flags and with XLA's Triton GEMM fusion of a per-block dequantization.
+      for run in "default|" "fused|--xla_gpu_enable_triton_gemm=true --xla_gpu_experimental_enable_subchannel_dequantisation_fusion=true"; do
+        XLA_FLAGS="${run#*|}" timeout ${MXFP4_BENCH_S:-150} python3 -m benchmarks.mxfp4_matmul \
+          --implementations=mxfp4_xla,bf16_xla,bf16_ragged_dot \
+          --out=$OUT/mxfp4_xla_${run%%|*}.json 2>&1 | tee -a $OUT/mxfp4_xla.log \
+          | grep -E "device|mxfp4_xla|Error"
+      done
+      ;;
     decode_attention)
       # The decode attention kernel's GPU tests, then every tier's device time at the decode
       # shapes; records are merged per (B, S), so a run cut short by its timeout keeps its rows.
@@ -294,7 +307,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac

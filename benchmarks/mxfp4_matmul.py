@@ -12,6 +12,8 @@ Rows (implementation):
   "select" dequantizes by compare and select (`mosaic_gpu.Config.dequant`; the default
   "shift" was 1.2-1.5x faster on the H200, 2026-12-02);
 - "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
+- "mxfp4_xla": the xla tier, the weight in XLA's float4 / E8M0 types (a dequantization XLA's
+  GEMM fusion may take: run with XLA_FLAGS to try it);
 - "bf16_xla": `jnp.dot` with the dequantized bf16 weight (materialised beforehand), dense only;
 - "bf16_ragged_dot": our bf16 grouped GEMM `pallas_kernels.ragged_dot.ragged_dot` (its default
   tier; `tier` says which ran), grouped only.
@@ -34,6 +36,7 @@ says which).
 """
 import dataclasses
 import functools
+import os
 import statistics
 import time
 
@@ -52,6 +55,9 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/mxfp4_h200.json", "Records
 _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel in the Mosaic "
                          "GPU interpreter (CPU), wall-clock time.")
 VARIANTS = {"full_x": dict(x_rows=None), "select": dict(dequant="select")}
+_IMPLEMENTATIONS = flags.DEFINE_list(
+    "implementations", [], "Rows to run (default: all); mxfp4_reference always runs, the "
+    "others' error is taken against it.")
 _VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), f"Kernel config variants to time "
                               f"beside the default, of {list(VARIANTS)}.")
 K3_KN = ((3584, 3072), (3072, 3584))
@@ -133,6 +139,8 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
            for name, cfg in configs.items()},
         "mxfp4_reference": (lambda x, p, s: op.mxfp4_ragged_dot(
             x, p, s, sizes(x), impl="reference"), "mxfp4"),
+        "mxfp4_xla": (lambda x, p, s: op.mxfp4_ragged_dot(x, p, s, sizes(x), impl="xla"),
+                      "mxfp4"),
         "bf16_ragged_dot": (lambda x, w_t: grouped_gemm.ragged_dot(x, w_t, sizes(x)), "bf16"),
     }
   return {
@@ -142,6 +150,7 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
           lambda x, p, s, cfg: mosaic_gpu.matmul(x, p, s, interpret=toy, config=cfg),
           cfg=cfg), "mxfp4") for name, cfg in configs.items()},
       "mxfp4_reference": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="reference"), "mxfp4"),
+      "mxfp4_xla": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="xla"), "mxfp4"),
       "bf16_xla": (lambda x, w: jnp.dot(x, w.T), "bf16"),
   }
 
@@ -184,10 +193,13 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
               dtype="bfloat16", device=common.device_name(), date=common.today(),
               commit=common.code_commit(), versions=common.versions(),
               group_sizes=f"equal, M/{EXPERTS} rows" if grouped else "one group",
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
               **{"pass": "fwd"})
   configs = variant_configs(m, k, n, grouped, toy, variants)
   outputs, records = {}, []
   for name, (fn, kind) in implementations(grouped, toy, configs).items():
+    if _IMPLEMENTATIONS.value and name not in {*_IMPLEMENTATIONS.value, "mxfp4_reference"}:
+      continue
     ran, note = tier(name, x, *sets["mxfp4"][0], grouped, toy, configs)
     rec = dict(base, implementation=name, tier=ran, note=note)
     records.append(rec)
@@ -217,8 +229,8 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
                and r.get("median_ms")), None)
   ref = outputs["mxfp4_reference"]
   for ours in records:
-    if not (ours["implementation"].startswith("mxfp4_mosaic_gpu") and ours.get("median_ms")
-            and peer):
+    if not (ours["implementation"].startswith("mxfp4_")
+            and ours["implementation"] != "mxfp4_reference" and ours.get("median_ms") and peer):
       continue
     ours["speedup_vs_bf16"] = peer["median_ms"] / ours["median_ms"]
     ours["rel_l2_vs_reference"] = float(jnp.linalg.norm(outputs[ours["implementation"]] - ref)

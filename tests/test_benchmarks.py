@@ -87,9 +87,9 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
   rows = {(r["op"], r["shape"]["M"], r["implementation"]) for r in recs}
   ours = ("mxfp4_mosaic_gpu", "mxfp4_mosaic_gpu_full_x", "mxfp4_mosaic_gpu_select")
   assert rows == {("mxfp4_matmul", m, impl) for m in (16, 72)
-                  for impl in ours + ("mxfp4_reference", "bf16_xla")} | {
+                  for impl in ours + ("mxfp4_reference", "mxfp4_xla", "bf16_xla")} | {
                       ("mxfp4_ragged_dot", 16, impl)
-                      for impl in ours + ("mxfp4_reference", "bf16_ragged_dot")}
+                      for impl in ours + ("mxfp4_reference", "mxfp4_xla", "bf16_ragged_dot")}
   for r in recs:
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and "jax" in r["versions"]
     assert r["timing"].startswith("wall")
@@ -105,6 +105,8 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
     if r["implementation"] == "mxfp4_mosaic_gpu":
       assert "x_rows=" in r["note"] and "x_rows=None" not in r["note"], r
       assert r["rel_l2_vs_reference"] < 1e-2
+    if r["implementation"] == "mxfp4_xla":
+      assert r["tier"] == "xla", r
 
 def costs_records(module: str, tmp_path) -> list[dict]:
   """The records of a *_costs diagnostic run at its toy shape in the interpreter."""

@@ -13,7 +13,8 @@ by group, rows past sum(group_sizes) give zeros. Output dtype: preferred_element
 products accumulate in fp32.
 
 Tiers ("impl"): "reference" (`k3jax.mx.unpack_k3` then `jnp.dot` / `jax.lax.ragged_dot`, any
-platform), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
+platform), "xla" (the same product with the weight in XLA's float4_e2m1fn / float8_e8m0fnu
+types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
 (`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
 (`default_impls`): a kernel joins it only after its tests pass on its hardware and where it is
 the faster tier. On Hopper that is mosaic_gpu for `mxfp4_ragged_dot` (GPU tests 21/21 on the
@@ -40,7 +41,7 @@ import numpy as np
 from pallas_kernels import tiers
 from pallas_kernels.mxfp4_matmul import reference
 
-IMPLS = ("reference", "mosaic_gpu", "mosaic_tpu")
+IMPLS = ("reference", "xla", "mosaic_gpu", "mosaic_tpu")
 BLOCK = 32
 Plan = tiers.Plan
 

@@ -24,7 +24,8 @@ def supports_ragged_dot(lhs, w_packed, w_scale, group_sizes, *, preferred_elemen
   del lhs, w_packed, w_scale, group_sizes, preferred_element_type, interpret
 
 
-def _out_dtype(x, preferred_element_type) -> jnp.dtype:
+def out_dtype(x, preferred_element_type) -> jnp.dtype:
+  """preferred_element_type, else x's dtype: the output dtype of every tier."""
   return jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
 
 
@@ -35,7 +36,7 @@ def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
   w = mx.unpack_k3(w_packed, w_scale).astype(x.dtype)
   out = jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
-  return out.astype(_out_dtype(x, preferred_element_type))
+  return out.astype(out_dtype(x, preferred_element_type))
 
 
 def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: jax.Array,
@@ -46,7 +47,7 @@ def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_si
   out = jax.lax.ragged_dot(lhs, jnp.swapaxes(w, 1, 2), group_sizes.astype(jnp.int32),
                            precision=jax.lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
-  return out.astype(_out_dtype(lhs, preferred_element_type))
+  return out.astype(out_dtype(lhs, preferred_element_type))
 
 
 def x_cotangent(d_out: jax.Array, w_packed: jax.Array, w_scale: jax.Array,

@@ -28,6 +28,7 @@ from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
+from pallas_kernels.mxfp4_matmul import xla
 
 # bf16 output: relative L2 ~3e-3 from the final rounding; a wrong nibble, scale or row is O(0.1).
 BF16_TOL = 1e-2
@@ -72,6 +73,43 @@ def test_reference_against_nibble_table(dtype):
   x = activations(1, 24, k, dtype)
   tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
   assert rel_err(reference.matmul(x, p, s), oracle(x, packed[None], scale[None], [24])) < tol
+
+
+def test_xla_tier_dequantizes_every_code_and_scale_byte():
+  """XLA's float4_e2m1fn / float8_e8m0fnu reading of the checkpoint bytes in fp32: the written-out
+  E2M1 table for every byte value with scales 2^-125 ... 2^123 (bytes 2-250), and the reference's
+  values up to 2^127 (byte 254; 6 x 2^127 overflows fp32 in both). Below, values under 2^-126
+  are fp32 subnormals, which XLA may flush to zero (the tier's docstring)."""
+  packed, _ = every_code(4, 512, seed=3)
+  scale = (2 + np.arange(4 * 16).reshape(4, 16) * 248 // 63).astype(np.uint8)   # 2 ... 250
+  got = xla.dequantize(jnp.asarray(packed), jnp.asarray(scale), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), dequantize(packed, scale))
+  scale[-1] = np.arange(239, 255)
+  p, s = jnp.asarray(packed), jnp.asarray(scale)
+  np.testing.assert_array_equal(np.asarray(xla.dequantize(p, s, jnp.float32)),
+                                np.asarray(mx.unpack_k3(p, s)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_xla_tier_equals_the_reference(dtype):
+  """Same values, same products: dense and grouped (an empty group, rows past the groups)."""
+  packed, scale = every_code(64, 256, seed=1)
+  p, s = jnp.asarray(packed), jnp.asarray(scale)
+  x = activations(7, 24, 256, dtype)
+  for out_dtype in (None, jnp.float32):
+    np.testing.assert_array_equal(
+        np.asarray(mxfp4_matmul(x, p, s, impl="xla", preferred_element_type=out_dtype)),
+        np.asarray(reference.matmul(x, p, s, preferred_element_type=out_dtype)))
+  pg, sg = weights(8, 3, 64, 256)
+  gs = jnp.asarray([10, 0, 9], jnp.int32)
+  got = mxfp4_ragged_dot(x, pg, sg, gs, impl="xla", preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(
+      np.asarray(got), np.asarray(reference.ragged_dot(x, pg, sg, gs,
+                                                       preferred_element_type=jnp.float32)))
+  assert rel_err(got, oracle(x, pg, sg, [10, 0, 9])) < (BF16_TOL if dtype == jnp.bfloat16
+                                                         else F32_TOL)
+  np.testing.assert_array_equal(np.asarray(got)[19:], 0.0)
+  assert plan(x, p, s, impl="xla").impl == "xla"
 
 
 def test_kernel_bit_formulas_cover_every_code_and_scale():
