@@ -7,6 +7,8 @@ HLO is one kernel, attributed to a part by its JAX name stack (`benchmarks/step_
 
   python3 -m benchmarks.compile_parts --config=experiments/configs/k3_small.py \
       --config.train.global_batch_size=1 --config.train.seq_len=512
+  python3 -m benchmarks.compile_parts --config=experiments/configs/k3_full.py --lower_only \
+      --config.train.global_batch_size=1 --config.train.seq_len=8192
 """
 import collections
 import time
@@ -26,6 +28,9 @@ from k3jax import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_small.py", "Config.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/compile_parts.json", "Records (JSON list).")
+_LOWER_ONLY = flags.DEFINE_bool(
+    "lower_only", False, "Trace and lower the step only (no XLA compile, no kernel counts): the "
+    "host-side time of a model too large to compile here, such as k3_full.")
 
 def main(argv):
   del argv
@@ -38,9 +43,22 @@ def main(argv):
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
-    lowered = jax.jit(train.make_train_step(setup), donate_argnums=0,
-                      compiler_options=train.compiler_options(cfg)).lower(state, batch)
+    traced = jax.jit(train.make_train_step(setup), donate_argnums=0,
+                     compiler_options=train.compiler_options(cfg)).trace(state, batch)
+    t_trace = time.perf_counter()
+    lowered = traced.lower()
   t1 = time.perf_counter()
+  if _LOWER_ONLY.value:
+    hlo_ops = lowered.as_text().count("\n")
+    print(f"{cfg.name}: traced in {t_trace - t0:.1f} s, lowered in {t1 - t_trace:.1f} s "
+          f"({hlo_ops} lines of StableHLO)")
+    rec = dict(op="lower_step", config=cfg.name, B=t.global_batch_size, T=t.seq_len,
+               remat=cfg.model.remat, trace_s=round(t_trace - t0, 1),
+               lower_s=round(t1 - t_trace, 1), stablehlo_lines=hlo_ops,
+               device=common.device_name(), date=common.today(), commit=common.code_commit(),
+               versions=common.versions())
+    common.merge_records(_OUT.value, [rec], ("op", "config", "B", "T", "remat", "device"))
+    return
   text = lowered.compile().as_text()
   t2 = time.perf_counter()
   counts = step_parts.kernel_counts(text)

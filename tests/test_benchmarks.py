@@ -166,6 +166,16 @@ def test_compile_parts_counts_the_kernels_of_each_part(tmp_path):
   assert parts["KDA layers"]["bwd"] > 0  # the backward is attributed too
 
 
+def test_compile_parts_lower_only_records_trace_and_lowering(tmp_path):
+  out = tmp_path / "lower.json"
+  run_module("benchmarks.compile_parts", "--config=experiments/configs/k3_tiny.py", "--lower_only",
+             "--config.train.global_batch_size=1", "--config.train.seq_len=32",
+             "--config.model.num_layers=4", "--config.model.full_attn_layers=(4,)", f"--out={out}")
+  (rec,) = records(out)
+  assert rec["op"] == "lower_step" and rec["config"] == "k3_tiny" and "kernels" not in rec
+  assert rec["trace_s"] > 0 and rec["lower_s"] > 0 and rec["stablehlo_lines"] > 100
+
+
 def test_kernel_counts_attributes_fusions_by_name_stack():
   text = """HloModule jit_step
 
