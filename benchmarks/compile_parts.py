@@ -49,12 +49,12 @@ def main(argv):
     lowered = traced.lower()
   t1 = time.perf_counter()
   if _LOWER_ONLY.value:
-    hlo_ops = lowered.as_text().count("\n")
+    lines = lowered.as_text().count("\n")
     print(f"{cfg.name}: traced in {t_trace - t0:.1f} s, lowered in {t1 - t_trace:.1f} s "
-          f"({hlo_ops} lines of StableHLO)")
+          f"({lines} lines of StableHLO)")
     rec = dict(op="lower_step", config=cfg.name, B=t.global_batch_size, T=t.seq_len,
                remat=cfg.model.remat, trace_s=round(t_trace - t0, 1),
-               lower_s=round(t1 - t_trace, 1), stablehlo_lines=hlo_ops,
+               lower_s=round(t1 - t_trace, 1), stablehlo_lines=lines,
                device=common.device_name(), date=common.today(), commit=common.code_commit(),
                versions=common.versions())
     common.merge_records(_OUT.value, [rec], ("op", "config", "B", "T", "remat", "device"))

@@ -14,7 +14,8 @@ products accumulate in fp32.
 
 Tiers ("impl"): "reference" (`k3jax.mx.unpack_k3` then `jnp.dot` / `jax.lax.ragged_dot`, any
 platform), "xla" (the same product with the weight in XLA's float4_e2m1fn / float8_e8m0fnu
-types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
+types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "mosaic_gpu"
+(Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
 (`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
 (`default_impls`): a kernel joins it only after its tests pass on its hardware and where it is
 the faster tier. On Hopper that is mosaic_gpu for `mxfp4_ragged_dot` (GPU tests 21/21 on the
@@ -158,10 +159,6 @@ def _log_declines(p: Plan) -> None:
     logging.info("mxfp4_matmul: tier %s declined (%s); trying the next", name, reason)
 
 
-def _out_dtype(x, preferred_element_type) -> np.dtype:
-  return jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
-
-
 def mxfp4_matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
                  impl: str | None = None, preferred_element_type=None,
                  interpret: bool = False) -> jax.Array:
@@ -173,7 +170,8 @@ def mxfp4_matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
   p = plan(x, w_packed, w_scale, preferred_element_type=preferred_element_type, impl=impl,
            interpret=interpret)
   _log_declines(p)
-  return _product(x, w_packed, w_scale, None, p, _out_dtype(x, preferred_element_type))
+  return _product(x, w_packed, w_scale, None, p,
+                  reference.out_dtype(x, preferred_element_type))
 
 
 def mxfp4_ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
@@ -189,4 +187,4 @@ def mxfp4_ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
                       interpret=interpret)
   _log_declines(p)
   return _product(lhs, w_packed, w_scale, group_sizes.astype(jnp.int32), p,
-                  _out_dtype(lhs, preferred_element_type))
+                  reference.out_dtype(lhs, preferred_element_type))

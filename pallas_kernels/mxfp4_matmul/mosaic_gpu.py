@@ -80,6 +80,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mxfp4_matmul import reference
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 BLOCK = 32                      # elements per E8M0 scale along K
@@ -496,10 +497,6 @@ def _grouped(x, w_packed, w_scale, group_sizes, out_dtype, interpret: bool,
   return out.astype(out_dtype)
 
 
-def _out_dtype(x, preferred_element_type) -> jnp.dtype:
-  return jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
-
-
 def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
            preferred_element_type=None, interpret: bool = False,
            config: Config | None = None) -> jax.Array:
@@ -509,7 +506,7 @@ def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
                                interpret=interpret, config=config):
     raise NotImplementedError(reason)
   return _grouped(x, w_packed[None], w_scale[None], jnp.asarray([x.shape[0]], jnp.int32),
-                  _out_dtype(x, preferred_element_type), interpret, config)
+                  reference.out_dtype(x, preferred_element_type), interpret, config)
 
 
 def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: jax.Array,
@@ -521,5 +518,6 @@ def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_si
                                    preferred_element_type=preferred_element_type,
                                    interpret=interpret, config=config):
     raise NotImplementedError(reason)
-  return _grouped(lhs, w_packed, w_scale, group_sizes, _out_dtype(lhs, preferred_element_type),
+  return _grouped(lhs, w_packed, w_scale, group_sizes,
+                  reference.out_dtype(lhs, preferred_element_type),
                   interpret, config)

@@ -56,6 +56,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from pallas_kernels.mxfp4_matmul import reference
+
 BLOCK = 32                           # elements per E8M0 scale along K
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 OUTPUT_DTYPES = INPUT_DTYPES
@@ -144,10 +146,6 @@ def _check_group_sizes(group_sizes, num_groups: int) -> None:
     raise ValueError(f"group_sizes must be int32, got {group_sizes.dtype}")
 
 
-def _out_dtype(x, preferred_element_type):
-  return jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
-
-
 def _decline(name: str, x, n: int, out_dtype, interpret, groups: int) -> str | None:
   if not interpret and jax.devices()[0].platform != "tpu":
     return f"not a TPU ({jax.devices()[0].device_kind}) and interpret=False"
@@ -166,8 +164,8 @@ def supports_matmul(x, w_packed, w_scale, *, preferred_element_type=None,
     _check_weight("x", x, w_packed, w_scale, grouped=False)
   except ValueError as e:
     return str(e)
-  return _decline("x", x, w_packed.shape[0], _out_dtype(x, preferred_element_type), interpret,
-                  0)
+  return _decline("x", x, w_packed.shape[0], reference.out_dtype(x, preferred_element_type),
+                  interpret, 0)
 
 
 def supports_ragged_dot(lhs, w_packed, w_scale, group_sizes, *, preferred_element_type=None,
@@ -178,7 +176,7 @@ def supports_ragged_dot(lhs, w_packed, w_scale, group_sizes, *, preferred_elemen
     _check_group_sizes(group_sizes, w_packed.shape[0])
   except ValueError as e:
     return str(e)
-  return _decline("lhs", lhs, w_packed.shape[1], _out_dtype(lhs, preferred_element_type),
+  return _decline("lhs", lhs, w_packed.shape[1], reference.out_dtype(lhs, preferred_element_type),
                   interpret, w_packed.shape[0])
 
 
@@ -263,7 +261,7 @@ def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
   uint8 (module docstring); the output in x's dtype unless preferred_element_type. Call
   `supports_matmul` first."""
   _check_weight("x", x, w_packed, w_scale, grouped=False)
-  out_dtype = _out_dtype(x, preferred_element_type)
+  out_dtype = reference.out_dtype(x, preferred_element_type)
   (m, k), n = x.shape, w_packed.shape[0]
   tm, tn = tiles(m, k, n, x.dtype, out_dtype)
   rows = _round_up(m, tm)
@@ -340,7 +338,7 @@ def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_si
   _check_weight("lhs", lhs, w_packed, w_scale, grouped=True)
   num_groups = w_packed.shape[0]
   _check_group_sizes(group_sizes, num_groups)
-  out_dtype = _out_dtype(lhs, preferred_element_type)
+  out_dtype = reference.out_dtype(lhs, preferred_element_type)
   (m, k), n = lhs.shape, w_packed.shape[1]
   tm, tn = tiles(m, k, n, lhs.dtype, out_dtype, num_groups)
   rows = _round_up(m, tm)

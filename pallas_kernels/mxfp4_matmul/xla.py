@@ -15,9 +15,9 @@ XLA flushes subnormals on some backends; the reference keeps them.
 import jax
 import jax.numpy as jnp
 
+from k3jax import mx
 from pallas_kernels.mxfp4_matmul import reference
 
-BLOCK = 32
 # Like the reference, the tier takes every valid call.
 supports_matmul = reference.supports_matmul
 supports_ragged_dot = reference.supports_ragged_dot
@@ -29,7 +29,7 @@ def dequantize(w_packed: jax.Array, w_scale: jax.Array, dtype) -> jax.Array:
   codes = jax.lax.bitcast_convert_type(w_packed, jnp.float4_e2m1fn)     # [..., N, K/2, 2]
   values = codes.reshape(*w_packed.shape[:-1], -1).astype(jnp.float32)
   scales = jax.lax.bitcast_convert_type(w_scale, jnp.float8_e8m0fnu).astype(jnp.float32)
-  return (values * jnp.repeat(scales, BLOCK, axis=-1)).astype(dtype)
+  return (values * jnp.repeat(scales, mx.BLOCK, axis=-1)).astype(dtype)
 
 
 def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
