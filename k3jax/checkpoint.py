@@ -19,6 +19,7 @@ import contextlib
 import logging as py_logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -88,6 +89,37 @@ def failure_reason(error: BaseException) -> str:
   return f"{label}: {text[:_REASON_CHARS]}"
 
 
+def _is_closed_loop_callback(unraisable: Any) -> bool:
+  """A tensorstore read's completion callback that found its asyncio loop closed."""
+  return (unraisable.exc_type is RuntimeError and unraisable.object is None
+          and str(unraisable.exc_value) == "Event loop is closed")
+
+
+def drop_closed_loop_callbacks() -> None:
+  """Logs (at debug level) instead of printing the tracebacks of tensorstore reads that
+  finish after orbax closed their event loop.
+
+  When one array of a damaged step fails to read, orbax's restore ends and closes its
+  asyncio loop while reads of other arrays are still in flight; each that completes later
+  reports "Event loop is closed" through `sys.unraisablehook`, at a time of the race's
+  choosing (during or after `restore_latest`). Harmless (the failed step is reported and set
+  aside), so it is dropped; every other unraisable exception goes to the previous hook.
+  Installed once per process, by `Checkpointer`.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "_k3jax_drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    if _is_closed_loop_callback(unraisable):
+      logging.debug("dropped a tensorstore callback on a closed event loop")
+    else:
+      previous(unraisable)
+
+  hook._k3jax_drops_closed_loop = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+
+
 @contextlib.contextmanager
 def quiet_libraries():
   """Holds back orbax / grain / asyncio log records (tracebacks per array) unless absl's
@@ -130,6 +162,7 @@ class Checkpointer:
     if max_to_keep <= 0:
       raise ValueError(f"max_to_keep must be positive, got {max_to_keep}")
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    drop_closed_loop_callbacks()
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_names=("state", "data"),

@@ -3,6 +3,8 @@ import glob
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -211,3 +213,34 @@ def test_sigterm_sets_the_stop_flag():
     assert not checkpoint.Checkpointer.should_stop()
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+_LATE_CALLBACK = """
+import asyncio, sys
+import tensorstore as ts
+from k3jax import checkpoint
+if sys.argv[1] == "installed":
+  checkpoint.Checkpointer(sys.argv[2], every_n_steps=1, max_to_keep=1)
+promise, future = ts.Promise.new()
+async def main():
+  asyncio.ensure_future(future)
+  await asyncio.sleep(0.01)
+loop = asyncio.new_event_loop()
+loop.run_until_complete(main())
+loop.close()
+promise.set_result(0)  # its asyncio callback finds the loop closed, as orbax's late reads do
+
+class Other:
+  def __del__(self):
+    raise ValueError("another unraisable")
+Other()
+"""
+
+
+@pytest.mark.parametrize("hook", ["installed", "absent"])
+def test_late_read_on_a_closed_loop_prints_no_traceback(tmp_path, hook):
+  proc = subprocess.run([sys.executable, "-c", _LATE_CALLBACK, hook, str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "another unraisable" in proc.stderr  # other unraisables still reach the old hook
+  assert ("Event loop is closed" in proc.stderr) == (hook == "absent"), proc.stderr[-2000:]
