@@ -33,6 +33,9 @@
 #   bash benchmarks/h200_baseline.sh mxfp4_xla             # <= 5 min: the MXFP4 xla tier vs bf16
 #                                                          # XLA, default flags and XLA's fused
 #                                                          # dequantization ($OUT/mxfp4_xla_*.json)
+#   bash benchmarks/h200_baseline.sh moe_decode            # <= 6 min: ragged_dot GPU tests of the
+#                                                          # "swapped" kernel, then the decoding
+#                                                          # shapes' grouped products (ws, swapped, xla)
 #   bash benchmarks/h200_baseline.sh decode_attention      # < 6 min: decode attention GPU tests, its tiers
 #                                                          # vs the bytes-read floor (H 8/64, S 4k-128k)
 #   DECODE_VARIANTS="hybrid all_mla" bash benchmarks/h200_baseline.sh decode
@@ -239,6 +242,15 @@ PY
           | grep -E "device|mxfp4_xla|Error"
       done
       ;;
+    moe_decode)
+      # The "swapped" grouped-matmul kernel's GPU tests, then the routed experts' products at
+      # decoding shapes (k3_small, K3; B 1 and 16), records merged per shape.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOE_DECODE_TEST_S:-150} python3 -m pytest -q \
+        -p no:cacheprovider --durations=5 tests/pallas_kernels/test_ragged_dot_gpu.py -k swapped \
+        2>&1 | tee $OUT/moe_decode_tests.log | tail -12
+      timeout ${MOE_DECODE_BENCH_S:-200} python3 -m benchmarks.moe_decode_gemm \
+        --out=$OUT/moe_decode_h200.json 2>&1 | tee $OUT/moe_decode.log | grep -E "device|ms|declined"
+      ;;
     decode_attention)
       # The decode attention kernel's GPU tests, then every tier's device time at the decode
       # shapes; records are merged per (B, S), so a run cut short by its timeout keeps its rows.
@@ -307,7 +319,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac

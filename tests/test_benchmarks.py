@@ -108,6 +108,20 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
     if r["implementation"] == "mxfp4_xla":
       assert r["tier"] == "xla", r
 
+def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_path):
+  out = tmp_path / "moe_decode.json"
+  run_module("benchmarks.moe_decode_gemm", "--toy", f"--out={out}")
+  recs = {r["implementation"]: r for r in records(out)}
+  assert set(recs) == {"ws", "swapped", "xla"}
+  for r in recs.values():
+    assert r["median_ms"] > 0 and r["commit"] and r["date"] and r["timing"].startswith("wall")
+    assert r["shape"]["M"] == r["shape"]["B"] * r["shape"]["top_k"] == 8
+    assert 0 < r["touched_experts"] <= 8
+  assert recs["ws"]["tier"] == "xla" and "below" in recs["ws"]["note"]   # 8 rows: declined
+  assert "kernel='swapped'" in recs["swapped"]["config"]
+  assert recs["swapped"]["rel_l2_vs_xla"] < 1e-2
+
+
 def costs_records(module: str, tmp_path) -> list[dict]:
   """The records of a *_costs diagnostic run at its toy shape in the interpreter."""
   out = tmp_path / "costs.json"

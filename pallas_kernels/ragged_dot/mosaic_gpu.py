@@ -18,6 +18,14 @@ Two kernels per product, picked by the config's `kernel` field:
          output (preferred_element_type), writes zeros to the rows past sum(group_sizes) in
          the kernel (an extra "padding group"), takes the SM count as a parameter, and runs
          under `plgpu.InterpretGPUParams` on CPU.
+  "swapped": ours, for few rows per group (decoding: B tokens x top-k copies over many
+         experts): the operands swapped, so the weights fill wgmma's 64-row side and the
+         group's few rows its N side. Each compute warpgroup computes out^T = W^T x^T for 64
+         output columns ([64, block_m] in fp32) where "ws" would compute a [64+, 2*block_n]
+         tile mostly of padding rows; row tiles of block_m rows (8-64) start at each group's
+         first row rounded down to 8 as "ws"'s; one pipeline over all of a CTA's tiles; the
+         tile is transposed back into SMEM (`store_transposed`) and stored by the same ladder.
+         Not a default until its tests pass on the GPU (`SWAPPED_IS_DEFAULT`).
 
 Shapes: gmm lhs [M, K], rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N];
 tgmm lhs [M, K], rhs [M, N] -> [G, K, N] with out[g] = lhs_g^T rhs_g.
@@ -32,19 +40,27 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
+from jax._src.lib.mlir.dialects import memref
+from jax._src.lib.mlir.dialects import vector
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as jax_ragged_dot
 from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as jax_transposed
 
 HOPPER_KINDS = ("H100", "H200", "H800")
-KERNELS = ("ws", "jax")
+KERNELS = ("ws", "jax", "swapped")
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_BYTES = 227 * 1024        # opt-in shared memory per block on sm_90
 _SMEM_RESERVE = 2 * 1024       # barriers and alignment
 _MEMORY_REGISTERS = 40         # registers of the TMA warpgroup (as hopper_matmul_mgpu)
 _COMPUTE_REGISTERS = 232       # of each of the two compute warpgroups: (512 - 40) / 2, to 8
 _INTERPRET_SMS = 2             # simulated SMs in interpret mode (several tiles per SM)
+_WGMMA_ROWS = 64               # the M side of one wgmma: weight rows per warpgroup ("swapped")
+# gmm_config picks "swapped" for few rows per group once its GPU tests have passed on a Hopper
+# GPU (tests/pallas_kernels/test_ragged_dot_gpu.py); until then only an explicit config runs it.
+SWAPPED_IS_DEFAULT = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +75,10 @@ class GmmConfig:
   stages while the compute warpgroups finish and store the current tile, instead of each tile
   starting with an empty pipeline (needs cluster_n = 1).
   epilogue_rows (None = block_m) stores each warpgroup's tile in slices of that many rows
-  through a smaller SMEM buffer, which makes room for a fourth stage at 128 x 256 x 64."""
+  through a smaller SMEM buffer, which makes room for a fourth stage at 128 x 256 x 64.
+  "swapped": block_m = rows of x per tile (a multiple of 8, at most 64: wgmma's N side),
+  block_n = 64 (weight rows per compute warpgroup: wgmma's M side), block_k = K per pipeline
+  stage (a multiple of 64, one wgmma per 64); always one pipeline over the CTA's tiles."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -133,7 +152,8 @@ def _swizzle_elems(dtype) -> int:
 
 
 def gmm_smem_bytes(cfg: GmmConfig, in_dtype, out_dtype) -> int:
-  """Shared memory of one "ws" gmm CTA: pipeline stages + the two epilogue tiles."""
+  """Shared memory of one "ws" or "swapped" gmm CTA: pipeline stages + the two epilogue
+  tiles."""
   isz, osz = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
   stage = (cfg.block_m * cfg.block_k + cfg.block_k * 2 * cfg.block_n) * isz
   epilogue = 2 * (cfg.epilogue_rows or cfg.block_m) * cfg.block_n * osz
@@ -215,6 +235,29 @@ def gmm_config(m: int, k: int, n: int, in_dtype, out_dtype) -> GmmConfig | str:
   return _fit_stages(cfg, gmm_smem_bytes, in_dtype, out_dtype)
 
 
+def swapped_config(m: int, k: int, n: int, groups: int, in_dtype, out_dtype) -> GmmConfig | str:
+  """"swapped" gmm config for out [m, n] with contraction k over `groups` groups, or why none
+  fits: row tiles of ceil(m / groups) + 7 rows rounded up to 8 (one tile holds a group of the
+  average size wherever its first row falls), at most 64; 128 K per stage, as many stages as
+  fit (the weight bytes in flight bound a memory-bound product)."""
+  if k % 64:
+    return f"K={k} is not a multiple of 64"
+  if n % (2 * _WGMMA_ROWS):
+    return f"N={n} is not a multiple of the CTA tile {2 * _WGMMA_ROWS}"
+  block_m = min(-(-(-(-m // groups) + 7) // 8) * 8, 64)
+  cfg = GmmConfig(block_m=block_m, block_n=_WGMMA_ROWS, block_k=128 if k % 128 == 0 else 64,
+                  max_concurrent_steps=6, kernel="swapped", tile_pipeline=True)
+  return _fit_stages(cfg, gmm_smem_bytes, in_dtype, out_dtype)
+
+
+def _gmm_config(m: int, k: int, n: int, groups: int, in_dtype, out_dtype) -> GmmConfig | str:
+  """gmm_config, or swapped_config where the rows per group are few (M <= 8 * G) and
+  SWAPPED_IS_DEFAULT."""
+  if SWAPPED_IS_DEFAULT and m <= 8 * groups:
+    return swapped_config(m, k, n, groups, in_dtype, out_dtype)
+  return gmm_config(m, k, n, in_dtype, out_dtype)
+
+
 def tgmm_config(m: int, k: int, n: int, in_dtype, out_dtype) -> TgmmConfig | str:
   """Heuristic "ws" tgmm config for out [G, k, n] over m rows, or why none fits."""
   del m
@@ -263,6 +306,8 @@ def _check_cluster(cfg, n_tiles: int) -> str | None:
 def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | None:
   if cfg.kernel not in KERNELS:
     return f"config.kernel must be one of {KERNELS}, got {cfg.kernel!r}"
+  if cfg.kernel == "swapped":
+    return _check_swapped_config(cfg, k, n, in_dtype, out_dtype)
   cta_n = cfg.block_n * (2 if cfg.kernel == "ws" else 1)
   if k % cfg.block_k:
     return f"K={k} is not a multiple of block_k={cfg.block_k}"
@@ -287,6 +332,24 @@ def _check_gmm_config(cfg: GmmConfig, m, k, n, in_dtype, out_dtype) -> str | Non
             "multiple of 8")
   if cfg.tile_pipeline and cfg.cluster_n != 1:
     return "tile_pipeline runs without clusters (cluster_n=1)"
+  return None
+
+
+def _check_swapped_config(cfg: GmmConfig, k, n, in_dtype, out_dtype) -> str | None:
+  if cfg.block_n != _WGMMA_ROWS:
+    return f"'swapped' takes block_n={_WGMMA_ROWS} (wgmma's M side), got {cfg.block_n}"
+  if cfg.block_m % 8 or not 8 <= cfg.block_m <= 64:
+    return f"'swapped' takes block_m a multiple of 8 in [8, 64], got {cfg.block_m}"
+  if cfg.block_k % 64 or k % cfg.block_k:
+    return f"K={k} must be a multiple of block_k={cfg.block_k}, itself a multiple of 64"
+  if n % (2 * cfg.block_n):
+    return f"N={n} is not a multiple of the CTA tile {2 * cfg.block_n}"
+  if cfg.max_concurrent_steps < 2:
+    return f"max_concurrent_steps={cfg.max_concurrent_steps} must be at least 2"
+  if cfg.cluster_n != 1 or cfg.epilogue_rows is not None or not cfg.tile_pipeline:
+    return "'swapped' runs one pipeline (tile_pipeline=True), no clusters, no epilogue_rows"
+  if gmm_smem_bytes(cfg, in_dtype, out_dtype) > SMEM_BYTES:
+    return f"{cfg} needs more than {SMEM_BYTES} B of shared memory"
   return None
 
 
@@ -323,14 +386,13 @@ def _check_tgmm_config(cfg: TgmmConfig, k, n, in_dtype, out_dtype, interpret) ->
 def supports_gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, out_dtype=None,
                  interpret: bool = False, config: GmmConfig | None = None) -> str | None:
   """None if `gmm` takes this call, else the reason it does not."""
-  del group_sizes
   out_dtype = lhs.dtype if out_dtype is None else out_dtype
   if reason := _check_common(lhs, rhs, out_dtype, interpret):
     return reason
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   if config is None:
-    config = gmm_config(m, k, n, lhs.dtype, out_dtype)
+    config = _gmm_config(m, k, n, group_sizes.shape[0], lhs.dtype, out_dtype)
     if isinstance(config, str):
       return config
   return _check_gmm_config(config, m, k, n, lhs.dtype, out_dtype)
@@ -408,6 +470,29 @@ def row_tiles(sizes_ext: jax.Array, block_m: int, grid_m: int, align: int = 8) -
   rows = jnp.where(t < tile_end[-1], jnp.minimum(load0 + block_m, ends[group]) - first, 0)
   used = jnp.broadcast_to(tile_end[-1], t.shape)
   return jnp.stack([group, load0, first - load0, rows, used]).astype(jnp.int32)
+
+
+def _gmm_tile(tiles_gmem, t, tiles_m, grid_n, cfg: GmmConfig):
+  """(N tile, group, first row loaded, offset of the first stored row, rows stored) of gmm's
+  t-th (row tile, N tile) pair in `planar_snake` order; tiles_gmem: `row_tiles`' table."""
+  mi, ni = plgpu.planar_snake(t, (tiles_m, grid_n), cfg.grid_minor_dim, cfg.grid_tile_width)
+  return (ni, *(tiles_gmem[r, mi] for r in range(4)))
+
+
+def _load_gmm_step(lhs_gmem, rhs_gmem, info, ki, lhs_dst, rhs_dst, barrier, *,
+                   transpose_rhs: bool):
+  """TMA-loads gmm's K step ki of the tile `info` (`_gmm_tile`): lhs rows [load0, + rows of
+  lhs_dst) and the group's rhs block of the CTA's columns (rhs [G, K, N], or [G, N, K] with
+  transpose_rhs), both arriving on `barrier`."""
+  ni, group, load0 = info[:3]
+  rows, bk = lhs_dst.shape
+  cta_n = rhs_dst.shape[0 if transpose_rhs else 1]
+  cols = pl.ds(ki * bk, bk)
+  _load_block(lhs_gmem.at[pl.ds(pl.multiple_of(load0, 8), rows), cols], lhs_dst, barrier)
+  rhs_g = rhs_gmem.at[jnp.minimum(group, rhs_gmem.shape[0] - 1)]
+  n_cols = pl.ds(ni * cta_n, cta_n)
+  _load_block(rhs_g.at[n_cols, cols] if transpose_rhs else rhs_g.at[cols, n_cols], rhs_dst,
+              barrier)
 
 
 def _tile_pipeline(*, stages: int, local_tiles, acc_shape, tile, load, mma, store):
@@ -508,11 +593,6 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
       return b_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0))
     return b_smem.at[:, pl.ds(wg * bn, bn)]
 
-  def rhs_block_at(rhs_g, ki, ni):
-    if transpose_rhs:
-      return rhs_g.at[pl.ds(ni * cta_n, cta_n), pl.ds(ki * bk, bk)]
-    return rhs_g.at[pl.ds(ki * bk, bk), pl.ds(ni * cta_n, cta_n)]
-
   def store_tile(acc, o_smem, out_gmem, ni, wg, load0, offset, rows, is_pad):
     """Stores the tile's rows [offset, offset + rows) (zeros for the padding group) through
     o_smem in slices of epi rows."""
@@ -595,10 +675,7 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
     tiles_m = tiles_gmem[4, 0]
 
     def tile(i):
-      mi, ni = plgpu.planar_snake(cta + i * num_ctas, (tiles_m, grid_n), cfg.grid_minor_dim,
-                                  cfg.grid_tile_width)
-      group, load0, offset, rows = (tiles_gmem[r, mi] for r in range(4))
-      return (ni, group, load0, offset, rows), k // bk
+      return _gmm_tile(tiles_gmem, cta + i * num_ctas, tiles_m, grid_n, cfg), k // bk
 
     @functools.partial(
         pl.run_scoped,
@@ -610,11 +687,8 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
       wg = lax.axis_index("wg")
 
       def load(info, ki, slot, barrier):
-        ni, group, load0 = info[:3]
-        cols, row0 = pl.ds(ki * bk, bk), pl.multiple_of(load0, 8)
-        _load_block(lhs_gmem.at[pl.ds(row0, bm), cols], a_smem.at[slot], barrier)
-        _load_block(rhs_block_at(rhs_gmem.at[jnp.minimum(group, g - 1)], ki, ni),
-                    b_smem.at[slot], barrier)
+        _load_gmm_step(lhs_gmem, rhs_gmem, info, ki, a_smem.at[slot], b_smem.at[slot], barrier,
+                       transpose_rhs=transpose_rhs)
 
       def mma(info, _, slot, acc_ref):
         del info
@@ -645,6 +719,113 @@ def _gmm_ws(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bo
   return kernel(tiles, lhs, rhs)
 
 
+def store_transposed(a: jax.Array, ref, interpret: bool) -> None:
+  """ref [C, R] (SMEM) = a^T for a [R, C] in the WGMMA layout. On the GPU one SMEM store per
+  element (inline Mosaic GPU: Pallas Mosaic GPU has no transpose of a register array and its
+  loads from a transposed SMEM ref need unit-stride vectors); in the interpreter a.T."""
+  if interpret:
+    ref[...] = a.T
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_, a, ref):
+    index = ir.IndexType.get()
+    for (row, col), reg in zip(a.layout.thread_idxs(a.shape), a.registers.flat):
+      for j in range(ir.VectorType(reg.type).shape[0]):
+        value = vector.extract(reg, dynamic_position=[],
+                               static_position=ir.DenseI64ArrayAttr.get([j]))
+        col_j = arith.addi(col, arith.constant(index, j)) if j else col
+        memref.store(value, ref, [col_j, row])
+
+  store(a, ref)
+
+
+# jitted: identical calls (every layer's) lower to one function, so XLA builds the kernel once
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "transpose_rhs", "num_sms",
+                                             "interpret"))
+def _gmm_swapped(lhs, rhs, sizes_ext, *, cfg: GmmConfig, out_dtype, transpose_rhs: bool,
+                 num_sms: int, interpret: bool):
+  """The "swapped" gmm (module docstring): per tile and compute warpgroup wg, acc [64, block_m]
+  = W_g[:, 64 columns]^T @ x[tile rows]^T over K, stored transposed; sizes_ext as `_gmm_ws`."""
+  m, k = lhs.shape
+  g = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.max_concurrent_steps
+  cta_n, sub = 2 * bn, bk // 64
+  grid_m = pl.cdiv(m + 7 * (g + 1), bm) + g + 1   # >= the tiles of the G + 1 row groups
+  grid_n = n // cta_n
+  tiles = row_tiles(sizes_ext, bm, grid_m)
+  transforms = _transforms(64, lhs.dtype)
+  rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+
+  def weight_operand(w_smem, wg, j):
+    """wgmma's A [64 weight rows, 64 K] of warpgroup wg for the stage's j-th 64 K."""
+    if transpose_rhs:
+      return w_smem.at[pl.ds(wg * bn, bn), pl.ds(j * 64, 64)]
+    return w_smem.at[pl.ds(j * 64, 64), pl.ds(wg * bn, bn)].T
+
+  def body(tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    cta = lax.axis_index("cluster_grid")
+    tiles_m = tiles_gmem[4, 0]
+
+    def tile(i):
+      info = _gmm_tile(tiles_gmem, cta + i * num_sms, tiles_m, grid_n, cfg)
+      return info, jnp.where(info[1] == g, 0, k // bk)
+
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, bm, bk), lhs.dtype, transforms=transforms),
+        w_smem=plgpu.SMEM((stages, *rhs_block), rhs.dtype, transforms=transforms),
+        out_smem=plgpu.SMEM((2, bm, bn), out_dtype),
+        collective_axes="wg")
+    def _scope(x_smem, w_smem, out_smem):
+      wg = lax.axis_index("wg")
+
+      def load(info, ki, slot, barrier):
+        _load_gmm_step(lhs_gmem, rhs_gmem, info, ki, x_smem.at[slot], w_smem.at[slot], barrier,
+                       transpose_rhs=transpose_rhs)
+
+      def mma(info, _, slot, acc_ref):
+        del info
+        for j in range(sub):
+          plgpu.wgmma(acc_ref, weight_operand(w_smem.at[slot], wg, j),
+                      x_smem.at[slot, :, pl.ds(j * 64, 64)].T)
+
+      def store(info, acc_ref):
+        ni, group, load0, offset, rows = info
+        o_smem = out_smem.at[wg]
+        _await_epilogue_buffer()
+
+        @pl.when(group == g)
+        def _():
+          o_smem[...] = jnp.zeros((bm, bn), out_dtype)
+
+        @pl.when(group != g)
+        def _():
+          store_transposed(acc_ref[...].astype(out_dtype), o_smem, interpret)
+
+        plgpu.commit_smem()
+        _store_rows(o_smem, out_gmem.at[:, pl.ds(ni * cta_n + wg * bn, bn)], offset,
+                    load0 + offset, rows, bm)
+
+      _tile_pipeline(stages=stages,
+                     local_tiles=(tiles_m * grid_n - cta + num_sms - 1) // num_sms,
+                     acc_shape=(bn, bm), tile=tile, load=load, mma=mma, store=store)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(num_sms,),
+      grid_names=("cluster_grid",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=_interpret_params(interpret),
+  )
+  return kernel(tiles, lhs, rhs)
+
+
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
         out_dtype=None, interpret: bool = False, config: GmmConfig | None = None) -> jax.Array:
   """out[M, N] = lhs[M, K] @ rhs[g] (rhs[g]^T with transpose_rhs) for the rows of group g;
@@ -653,7 +834,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   if config is None:
-    config = gmm_config(m, k, n, lhs.dtype, out_dtype)
+    config = _gmm_config(m, k, n, group_sizes.shape[0], lhs.dtype, out_dtype)
   if reason := supports_gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
                             out_dtype=out_dtype, interpret=interpret, config=config):
     raise NotImplementedError(reason)
@@ -667,9 +848,12 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs
           max_concurrent_steps=config.max_concurrent_steps,
           grid_block_n=config.grid_tile_width, transpose_rhs=transpose_rhs)
     return _zero_rows_past(out[:m], ends[-1])
+  if config.kernel == "swapped" and lhs_p.shape[0] < config.block_m:
+    lhs_p = _pad_rows(lhs_p, config.block_m)    # a TMA box of block_m rows fits in x
   sizes_ext = jnp.concatenate([ends - starts, (lhs_p.shape[0] - ends[-1])[None]])
-  out = _gmm_ws(lhs_p, rhs, sizes_ext, cfg=config, out_dtype=out_dtype,
-                transpose_rhs=transpose_rhs, num_sms=_num_sms(interpret), interpret=interpret)
+  kernel = _gmm_swapped if config.kernel == "swapped" else _gmm_ws
+  out = kernel(lhs_p, rhs, sizes_ext, cfg=config, out_dtype=out_dtype,
+               transpose_rhs=transpose_rhs, num_sms=_num_sms(interpret), interpret=interpret)
   return out[:m]
 
 

@@ -90,3 +90,13 @@ def test_gate_up_triton_lowering_is_shared():
   args = (sd(16, 64), sd(32, dtype=jnp.int32), sd(4, 64, 64), sd(4, 64, 64),
           sd(4, dtype=jnp.int32))
   _one_lowering(one, "gate_up", *args)
+
+
+def test_swapped_gmm_kernel_lowers_and_is_shared(hopper):
+  """The "swapped" gmm (decode shapes) lowers for CUDA, its transposed epilogue (inline Mosaic
+  GPU, which the interpreter does not run) included, both rhs layouts; one kernel per layout."""
+  cfg = ragged_mgpu.swapped_config(128, 512, 1024, 64, BF16, BF16)
+  for transpose_rhs, w in ((False, sd(64, 512, 1024)), (True, sd(64, 1024, 512))):
+    one = lambda x, w, gs, t=transpose_rhs: ragged_mgpu.gmm(x, w, gs, transpose_rhs=t,
+                                                           config=cfg)
+    assert len(set(_kernel_hashes(_layers(one), sd(128, 512), w, sd(64, dtype=jnp.int32)))) == 1

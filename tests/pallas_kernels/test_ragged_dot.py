@@ -381,3 +381,42 @@ def test_tile_pipeline_lowers_for_hopper(monkeypatch):
        (s(m, n), s(g, k, n), gs))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+# Decode shapes: few rows per group over many groups (B tokens x top-k copies), groups starting
+# anywhere in an 8-row block; 8-row tiles split groups that cross a block boundary.
+SWAPPED_CASES = {
+    "decode_b1": (8, (0, 1, 0, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0)),     # M below block_m
+    "decode_b4": (32, (2, 0, 3, 1, 4, 0, 2, 2, 1, 3, 4, 0, 2, 1, 3, 4)),
+    "pad_rows": CASES["pad_rows"],                                         # big groups too
+}
+
+
+@pytest.mark.parametrize("case", sorted(SWAPPED_CASES))
+@pytest.mark.parametrize("block_m, block_k", [(8, 64), (16, 128)])
+def test_swapped_kernel(case, block_m, block_k):
+  """The "swapped" gmm (weights on wgmma's 64-row side, a group's rows on its N side; the tile
+  stored transposed) for forward and d_lhs against the oracle, one pipeline over the tiles of
+  each simulated SM with more tiles than stages."""
+  cfg = mosaic_gpu.GmmConfig(block_m=block_m, block_n=64, block_k=block_k,
+                             max_concurrent_steps=2, kernel="swapped", tile_pipeline=True)
+  check_gmm_products(*inputs(case, cases=SWAPPED_CASES), SWAPPED_CASES[case][1], cfg)
+
+
+def test_swapped_config():
+  """swapped_config's row tiles hold a group of the average size wherever it starts; its
+  configs pass the checks, and the checks name what a bad one gets wrong."""
+  bf16 = jnp.bfloat16
+  for (m, groups), block_m in {(8, 64): 8, (128, 64): 16, (512, 64): 16, (4096, 64): 64}.items():
+    cfg = mosaic_gpu.swapped_config(m, 512, 1024, groups, bf16, bf16)
+    assert (cfg.kernel, cfg.block_m, cfg.block_n) == ("swapped", block_m, 64)
+    assert mosaic_gpu._check_gmm_config(cfg, m, 512, 1024, bf16, bf16) is None
+  x, w, _, gs = inputs("decode_b4", cases=SWAPPED_CASES)
+  good = mosaic_gpu.GmmConfig(block_m=8, block_n=64, kernel="swapped", tile_pipeline=True)
+  for change, needle in (({"block_n": 128}, "block_n=64"), ({"block_m": 12}, "multiple of 8"),
+                         ({"block_k": 96}, "multiple of 64"), ({"tile_pipeline": False},
+                                                               "one pipeline")):
+    bad = dataclasses.replace(good, **change)
+    assert needle in mosaic_gpu.supports_gmm(x, w, gs, interpret=True, config=bad)
+  assert "multiple of the CTA tile 128" in mosaic_gpu.supports_gmm(
+      x, w[..., :64], gs, interpret=True, config=dataclasses.replace(good))

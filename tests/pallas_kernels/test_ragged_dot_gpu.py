@@ -144,3 +144,41 @@ def test_k3_expert_shapes(g, m, k, n):
   refs = jax.jit(reference, static_argnums=3)(x, w, ct, tuple(int(s) for s in sizes))
   for name, got, want in zip(("out", "d_lhs", "d_rhs"), fwd_bwd(x, w, ct), refs):
     assert rel_err(got, want) < BF16_TOL, name
+
+
+def routed_sizes(batch: int, top_k: int, groups: int, seed: int) -> tuple[int, ...]:
+  rng = np.random.default_rng(seed)
+  picks = np.concatenate([rng.choice(groups, top_k, replace=False) for _ in range(batch)])
+  return tuple(int(s) for s in np.bincount(picks, minlength=groups))
+
+
+@pytest.mark.parametrize("g, k, n, batch, top_k", [
+    (64, 512, 1024, 1, 8), (64, 512, 1024, 16, 8), (64, 512, 512, 16, 8),   # k3_small
+    (16, 3584, 6144, 1, 16), (256, 3072, 3584, 16, 16)])                    # K3
+def test_swapped_kernel_at_decode_shapes(g, k, n, batch, top_k):
+  """The "swapped" gmm (forward and d_lhs layouts) at decoding shapes against the loop over
+  groups; its transposed epilogue runs only here (the interpreter transposes with jnp)."""
+  sizes = routed_sizes(batch, top_k, g, seed=k + batch)
+  m = batch * top_k
+  x, w, ct, gs = make(m, k, n, sizes, seed=2)
+  cfg = mosaic_gpu.swapped_config(m, k, n, g, jnp.bfloat16, jnp.bfloat16)
+  out_ref, dx_ref, _ = jax.jit(reference, static_argnums=3)(x, w, ct, sizes)
+  out = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, config=cfg))(x, w, gs)
+  dx = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True, config=cfg))(
+      ct, w, gs)
+  assert rel_err(out, out_ref) < BF16_TOL
+  assert rel_err(dx, dx_ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("block_m, block_k", [(8, 64), (16, 128), (64, 128)])
+def test_swapped_kernel_with_padding_rows_and_large_groups(data, block_m, block_k):
+  """"swapped" on the uneven groups of the other tests (groups of 500+ rows in many tiles,
+  empty and one-row groups, padding rows that must come out zero)."""
+  (x, w, ct, gs), (out_ref, dx_ref, _) = data
+  cfg = mosaic_gpu.GmmConfig(block_m=block_m, block_n=64, block_k=block_k,
+                             max_concurrent_steps=4, kernel="swapped", tile_pipeline=True)
+  out = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, config=cfg))(x, w, gs)
+  dx = jax.jit(lambda a, b, c: mosaic_gpu.gmm(a, b, c, transpose_rhs=True, config=cfg))(
+      ct, w, gs)
+  assert rel_err(out, out_ref) < BF16_TOL and rel_err(dx, dx_ref) < BF16_TOL
+  assert not np.any(np.asarray(out[sum(SIZES):], np.float32))

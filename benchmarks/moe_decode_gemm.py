@@ -1,0 +1,130 @@
+r"""The routed experts' grouped products at decoding shapes: B tokens x top-k copies over G
+experts, a few rows per expert (`pallas_kernels.ragged_dot`, bf16).
+
+Shapes (G, K, N; B, top-k): k3_small's gate/up (64, 512, 1024) and down (64, 512, 512) at
+B 1 and 16 with top-8; K3's gate/up (3584 -> 2 x 3072) and down (3072 -> 3584) with top-16 at
+B 1 and 16, G = the experts the copies can touch (B x 16, not all 896: the bf16 weights of 896
+would not fit beside their copies). Group sizes from random routing: each token takes top-k
+distinct experts uniformly (seeded).
+Rows (implementation):
+- "ws": the mosaic_gpu tier's default config (`gmm_config`; below 64 rows it declines and the
+  row records the refusal);
+- "swapped": the "swapped" kernel (`mosaic_gpu.swapped_config`: weights on wgmma's 64-row side);
+- "xla": `jax.lax.ragged_dot`.
+`median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
+that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
+touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
+the Mosaic GPU interpreter (CPU tests), wall clock.
+
+  python3 -m benchmarks.moe_decode_gemm --out=$OUT/moe_decode_h200.json
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks import common
+from pallas_kernels.ragged_dot import mosaic_gpu
+from pallas_kernels.ragged_dot import plan
+from pallas_kernels.ragged_dot import ragged_dot
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/moe_decode_h200.json",
+                           "Records (JSON list).")
+_TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, the kernels in the Mosaic "
+                         "GPU interpreter (CPU), wall-clock time.")
+# name -> (G, K, N, top_k)
+SHAPES = {"k3_small_gate_up": (64, 512, 1024, 8), "k3_small_down": (64, 512, 512, 8),
+          "k3_gate_up": (None, 3584, 6144, 16), "k3_down": (None, 3072, 3584, 16)}
+BATCHES = (1, 16)
+TOY_SHAPES = {"toy": (16, 128, 256, 4)}
+TOY_BATCHES = (2,)
+L2_BYTES = 50 * 2 ** 20          # H200
+TRACED_CALLS = 40
+KEY_FIELDS = ("op", "implementation", "shape", "device")
+
+
+def routed_sizes(batch: int, top_k: int, groups: int, seed: int = 0) -> np.ndarray:
+  """Group sizes of `batch` tokens each routed to top_k distinct experts out of `groups`."""
+  rng = np.random.default_rng(seed)
+  picks = np.concatenate([rng.choice(groups, top_k, replace=False) for _ in range(batch)])
+  return np.bincount(picks, minlength=groups).astype(np.int32)
+
+
+def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
+  """name -> (fn(x, w, sizes), config or None)."""
+  bf16 = jnp.bfloat16
+  swapped = mosaic_gpu.swapped_config(m, k, n, g, bf16, bf16)
+  return {
+      "ws": (lambda x, w, gs: ragged_dot(x, w, gs, impl="mosaic_gpu", interpret=toy), None),
+      "swapped": (lambda x, w, gs: mosaic_gpu.gmm(x, w, gs, interpret=toy, config=swapped),
+                  swapped),
+      "xla": (lambda x, w, gs: jax.lax.ragged_dot(x, w, gs), None),
+  }
+
+
+def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bool,
+              copy: float | None) -> list[dict]:
+  m = batch * top_k
+  sizes = jnp.asarray(routed_sizes(batch, top_k, g))
+  touched = int(jnp.sum(sizes > 0))
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+  weight_bytes = g * k * n * 2
+  copies = 1 if toy else max(2, -(-2 * L2_BYTES // weight_bytes))
+  weights = [(0.02 * jax.random.normal(jax.random.key(c), (g, k, n), jnp.float32)
+              ).astype(jnp.bfloat16) for c in range(copies)]
+  floor_bytes = touched * k * n * 2 + m * (k + n) * 2
+  floor_ms = None if copy is None else floor_bytes / (copy * 1e12) * 1e3
+  shape = dict(name=name, G=g, M=m, K=k, N=n, B=batch, top_k=top_k)
+  base = dict(op="moe_decode_gemm", shape=shape, dtype="bfloat16", touched_experts=touched,
+              floor_bytes=floor_bytes, floor_ms=None if floor_ms is None else round(floor_ms, 4),
+              device=common.device_name(), date=common.today(), commit=common.code_commit(),
+              versions=common.versions(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+  records, outputs = [], {}
+  for impl, (fn, cfg) in implementations(m, k, n, g, toy).items():
+    rec = dict(base, implementation=impl, config=None if cfg is None else str(cfg))
+    records.append(rec)
+    if impl == "ws":
+      p = plan(x, weights[0], sizes, impl="mosaic_gpu", interpret=toy)
+      rec.update(tier=p.forward, note="; ".join(r for _, _, r in p.declined))
+    if isinstance(cfg, str):
+      rec.update(error=cfg)
+      print(f"{name} B{batch} {impl}: declined ({cfg})", flush=True)
+      continue
+    jitted = jax.jit(fn)
+    if toy:
+      ms = common.time_jax_once(jitted, x, weights[0], sizes)
+      rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
+    else:
+      calls = max(TRACED_CALLS, copies)
+      ms = common.device_ms_cycling(jitted, [(x, w, sizes) for w in weights], reps=calls)
+      rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls")
+    outputs[impl] = jitted(x, weights[0], sizes).astype(jnp.float32)
+    rec.update(median_ms=round(ms, 4),
+               floor_fraction=None if floor_ms is None else round(floor_ms / ms, 3))
+    print(f"{name:18s} B{batch:<3d} G{g} M{m} K{k} N{n} {impl:8s} {ms:9.4f} ms  floor "
+          f"{floor_ms if floor_ms is None else round(floor_ms, 4)} ms", flush=True)
+  ref = outputs["xla"]
+  for rec in records:
+    if rec["implementation"] in outputs and rec["implementation"] != "xla":
+      rec["rel_l2_vs_xla"] = float(jnp.linalg.norm(outputs[rec["implementation"]] - ref)
+                                   / jnp.linalg.norm(ref))
+  return records
+
+
+def main(argv):
+  del argv
+  toy = _TOY.value
+  copy = None if toy else common.copy_tbps()
+  print(f"device {common.device_name()}: copy {copy} TB/s", flush=True)
+  for name, (g, k, n, top_k) in (TOY_SHAPES if toy else SHAPES).items():
+    for batch in TOY_BATCHES if toy else BATCHES:
+      records = run_shape(name, g or batch * top_k, k, n, batch, top_k, toy, copy)
+      for r in records:
+        r.update(copy_tbps=None if copy is None else round(copy, 3))
+      common.merge_records(_OUT.value, records, KEY_FIELDS)   # a run cut short keeps its rows
+
+
+if __name__ == "__main__":
+  app.run(main)
