@@ -63,6 +63,7 @@ from k3jax import config as config_lib
 from k3jax import generate
 from k3jax.model import K3ForCausalLM
 from pallas_kernels import decode_attention
+from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_h200.json", "Records (JSON list).")
 _TOY = flags.DEFINE_bool("toy", False, "A 2-layer k3_tiny at B 2, contexts 32 and 64 on CPU.")
@@ -82,23 +83,32 @@ _DECODE_ATTENTION_IMPL = flags.DEFINE_enum(
 _MOE_DECODE_EXPERTS = flags.DEFINE_enum(
     "moe_decode_experts", "", ("", "sorted", "gathered"),
     "kernels.moe_decode_experts (\"\": the config's).")
+_GATE_UP_IMPL = flags.DEFINE_enum(
+    "gate_up_impl", "", ("", "xla", "triton"),
+    "kernels.gate_up_impl (\"\": the config's; \"xla\": gather, then gate/up by ragged_dot).")
+_SWAPPED_GMM = flags.DEFINE_bool(
+    "swapped_gmm", False, "Run ragged_dot's calls with few rows per group (M <= 8 G) on the "
+    "\"swapped\" Mosaic GPU kernel (sets pallas_kernels.ragged_dot.mosaic_gpu."
+    "SWAPPED_IS_DEFAULT before the model is built; recorded as moe_kernels).")
 _PREFILL = flags.DEFINE_bool("prefill", True, "Compile and time the prefill chunks (off: decode "
                              "only, prefill fields null).")
 CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
 TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=6, chunk_tokens=32)
 KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "moe_decode_experts",
-              "xla_flags", "device")
+              "moe_kernels", "xla_flags", "device")
 
 
 def variant_config(name: str, toy: bool, decode_attention_impl: str = "",
-                   moe_decode_experts: str = ""):
+                   moe_decode_experts: str = "", gate_up_impl: str = ""):
   """The config of a variant: k3_small (toy: k3_tiny with 2 layers) with bf16 parameters and no
   MTP layer, its layer pattern as `name` says."""
   overrides = {"model.param_dtype": "bfloat16", "model.mtp_num_layers": 0,
                "kernels.decode_attention_impl": decode_attention_impl}
   if moe_decode_experts:
     overrides["kernels.moe_decode_experts"] = moe_decode_experts
+  if gate_up_impl:
+    overrides["kernels.gate_up_impl"] = gate_up_impl
   if toy:
     overrides.update({"model.num_layers": 2, "model.full_attn_layers": (2,),
                       "model.dtype": "bfloat16"})
@@ -320,7 +330,7 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                floor_ms=round(floor, 4),
                floor_fraction=round(floor / tpot, 3) if tpot > 0 else None,
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
-               moe_decode_experts=moe_choice,
+               moe_decode_experts=moe_choice, moe_kernels=moe_kernels(),
                xla_flags=os.environ.get("XLA_FLAGS", ""),
                timing="wall_once" if toy else "wall", device=common.device_name(),
                date=common.today(), commit=common.code_commit(), versions=common.versions())
@@ -333,8 +343,17 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     common.merge_records(_OUT.value, [rec], KEY_FIELDS)
 
 
+def moe_kernels() -> str | None:
+  """The MoE kernel choices of this run that differ from the defaults (None: the defaults)."""
+  parts = ([f"gate_up_impl={_GATE_UP_IMPL.value}"] if _GATE_UP_IMPL.value else []) + (
+      ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else [])
+  return ", ".join(parts) or None
+
+
 def main(argv):
   del argv
+  if _SWAPPED_GMM.value:
+    ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
   toy = _TOY.value
   ints = lambda values: tuple(int(v) for v in values)
   batches = TOY["batches"] if toy else ints(_BATCHES.value)
@@ -344,7 +363,8 @@ def main(argv):
   copy = copy_tbps(toy)
   print(f"device {common.device_name()}: copy {copy:.2f} TB/s", flush=True)
   for name in _VARIANTS.value:
-    cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value, _MOE_DECODE_EXPERTS.value)
+    cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value, _MOE_DECODE_EXPERTS.value,
+                         _GATE_UP_IMPL.value)
     # Eagerly: jitted, the hybrid's initialisation sat in XLA's GPU backend for minutes.
     model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
     for batch in batches:

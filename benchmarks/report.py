@@ -79,7 +79,7 @@ class Results:
       if any(r.get(k) != v for k, v in match.items()):
         continue
       key = {k: v for k, v in r.items()
-             if k in ("implementation", "variant", "moe_decode_experts", "pass",
+             if k in ("implementation", "variant", "moe_decode_experts", "moe_kernels", "pass",
                       "shape", "B", "T", "H", "config", "tokens",
                       "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
                       "xla_triton_gemm", "xla_flags")}
@@ -384,9 +384,10 @@ def decode_attention(root: pathlib.Path) -> str:
 
 
 def decode(root: pathlib.Path) -> str:
-  """k3_small's decode loop against its all-MLA and KDA-only twins by (B, context)."""
+  """k3_small's decode loop against its all-MLA and KDA-only twins by (B, context), with the
+  default MoE kernels (records of `--swapped_gmm` / `--gate_up_impl` runs left out)."""
   res = Results(root, "decode_h200.json")
-  keep = [r for r in res.current("decode") if r.get("tpot_ms")]
+  keep = [r for r in res.current("decode", moe_kernels=None) if r.get("tpot_ms")]
   key_of = lambda r: (r["shape"]["B"], r["shape"]["context"])
   at = {(key_of(r), r["variant"]): r for r in keep}
   variants = ("hybrid", "all_mla", "kda_only")
