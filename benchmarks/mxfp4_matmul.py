@@ -10,7 +10,9 @@ Rows (implementation):
   (`--variants`; a variant whose config equals the default at a shape is not run there):
   "full_x" loads block_m rows of x per K step and pads x to block_m (the path before x_rows),
   "select" dequantizes by compare and select (`mosaic_gpu.Config.dequant`; the default
-  "shift" was 1.2-1.5x faster on the H200, 2026-12-02);
+  "shift" was 1.2-1.5x faster on the H200, 2026-12-02), "swap" swaps the operands (the
+  dequantized tile as wgmma's register operand, x's rows as its N side; `Config.swap`, at
+  M <= 64 only, where all of x fits one tile);
 - "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
 - "mxfp4_xla": the xla tier, the weight in XLA's float4 / E8M0 types (a dequantization XLA's
   GEMM fusion may take: run with XLA_FLAGS to try it);
@@ -54,11 +56,12 @@ from pallas_kernels.mxfp4_matmul import mosaic_gpu
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mxfp4_h200.json", "Records (JSON list).")
 _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel in the Mosaic "
                          "GPU interpreter (CPU), wall-clock time.")
-VARIANTS = {"full_x": dict(x_rows=None), "select": dict(dequant="select")}
+VARIANTS = {"full_x": dict(x_rows=None, swap=False), "select": dict(dequant="select"),
+            "swap": dict(swap=True)}
 _IMPLEMENTATIONS = flags.DEFINE_list(
     "implementations", [], "Rows to run (default: all); mxfp4_reference always runs, the "
     "others' error is taken against it.")
-_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), f"Kernel config variants to time "
+_VARIANTS = flags.DEFINE_list("variants", ["full_x", "select"], f"Kernel config variants to time "
                               f"beside the default, of {list(VARIANTS)}.")
 K3_KN = ((3584, 3072), (3072, 3584))
 DENSE_M = (1, 16, 64, 4096)
@@ -121,6 +124,10 @@ def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
   out = {}
   for v in variants:
     changed = dataclasses.replace(cfg, **VARIANTS[v])
+    if changed.swap:
+      if m > mosaic_gpu.SMALL_M or cfg.block_n != 64:
+        continue
+      changed = dataclasses.replace(changed, x_rows=cfg.x_rows or -(-m // 8) * 8)
     if changed != cfg:
       out[f"mxfp4_mosaic_gpu_{v}"] = changed
   return out

@@ -56,6 +56,10 @@ up to 8, below block_m: decode): then every K step loads only x's first x_rows r
 tile reads them from row 0 and stores its own rows), x is padded to x_rows only, and the
 wgmma's rows past x_rows read stale SMEM into output rows that are never stored.
 
+Swapped operands (`Config.swap`, decode): the dequantized [block_n, 64] tile is wgmma's A from
+registers and x's x_rows rows its N side; acc [block_n, x_rows] is stored transposed
+(`ragged_dot.mosaic_gpu.store_transposed`). In the interpreter the tile goes through SMEM.
+
 Split K: for few output tiles (decode) each tile's K steps are split over `split_k` units of
 work so that every SM streams weights; the units write fp32 partial products [split_k, M, N]
 (M rows only) that XLA sums (and casts) afterwards.
@@ -109,7 +113,10 @@ class Config:
   stores each warpgroup's tile in slices of epilogue_rows rows (None = block_m); x_rows: rows
   of x loaded per K step when all of x fits one row tile (None = block_m from each tile's
   first row); dequant: "select" (E2M1 bits by compare and select) or "shift" (two integer ops
-  and a multiply by 2^126, module docstring)."""
+  and a multiply by 2^126, module docstring). swap (needs x_rows, block_n = 64): the operands
+  swapped, the dequantized weight tile [64, 64] as wgmma's A straight from registers and x's
+  x_rows rows as its N side (acc [64, x_rows] per warpgroup, stored transposed), instead of the
+  weight tile through SMEM as B against a 64-row x tile of mostly padding."""
   block_m: int = 128
   block_n: int = 128
   stages: int = 3
@@ -118,6 +125,12 @@ class Config:
   epilogue_rows: int | None = None
   x_rows: int | None = None
   dequant: str = "shift"
+  swap: bool = False
+
+
+# config() sets swap at decode shapes once the swapped form's GPU tests have passed on a Hopper
+# GPU (tests/pallas_kernels/test_mxfp4_matmul_gpu.py); until then only an explicit config runs it.
+SWAP_IS_DEFAULT = False
 
 
 def is_hopper() -> bool:
@@ -138,10 +151,12 @@ def _round8(m: int) -> int:
 
 
 def smem_bytes(cfg: Config, out_dtype) -> int:
-  """Shared memory of one CTA: the stage ring, the dequantized tiles, the epilogue tiles."""
-  stage = cfg.block_m * BLOCK_K * 2 + 2 * cfg.block_n * (BLOCK_K // 2 + SCALE_ROW)
-  dequantized = 2 * 2 * cfg.block_n * BLOCK_K * 2
-  epilogue = (2 * (cfg.epilogue_rows or cfg.block_m) * cfg.block_n
+  """Shared memory of one CTA: the stage ring, the dequantized tiles (none with swap: they stay
+  in registers), the epilogue tiles."""
+  x_tile = cfg.x_rows if cfg.swap else cfg.block_m
+  stage = x_tile * BLOCK_K * 2 + 2 * cfg.block_n * (BLOCK_K // 2 + SCALE_ROW)
+  dequantized = 0 if cfg.swap else 2 * 2 * cfg.block_n * BLOCK_K * 2
+  epilogue = (2 * (cfg.x_rows if cfg.swap else cfg.epilogue_rows or cfg.block_m) * cfg.block_n
               * _kernel_out_dtype(cfg, out_dtype).itemsize)
   return cfg.stages * stage + dequantized + epilogue + _SMEM_RESERVE
 
@@ -170,7 +185,7 @@ def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int) -> Config |
   if n % (2 * cfg.block_n):
     return f"N={n} is not a multiple of the CTA tile 2 * block_n = {2 * cfg.block_n}"
   if _round8(m) < cfg.block_m:
-    cfg = dataclasses.replace(cfg, x_rows=_round8(m))
+    cfg = dataclasses.replace(cfg, x_rows=_round8(m), swap=SWAP_IS_DEFAULT and m <= SMALL_M)
   if m <= SMALL_M:
     row_tiles = min(groups, m) if groups > 1 else 1
     units = row_tiles * n // (2 * cfg.block_n)
@@ -203,6 +218,8 @@ def _check_config(cfg: Config, m: int, k: int, n: int, out_dtype) -> str | None:
             f"block_m = {cfg.block_m}]")
   if cfg.dequant not in ("select", "shift"):
     return f"dequant must be 'select' or 'shift', got {cfg.dequant!r}"
+  if cfg.swap and (cfg.x_rows is None or cfg.block_n != 64):
+    return f"swap needs x_rows (all of x in one row tile) and block_n = 64 (wgmma's M), got {cfg}"
   if smem_bytes(cfg, out_dtype) > SMEM_BYTES:
     return f"{cfg} needs {smem_bytes(cfg, out_dtype)} B of shared memory"
   return None
@@ -339,6 +356,7 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
   bm, bn, stages, split = cfg.block_m, cfg.block_n, cfg.stages, cfg.split_k
   epi = cfg.epilogue_rows or bm
   x_rows = cfg.x_rows or bm
+  x_tile = x_rows if cfg.swap else bm         # rows of the x tile in SMEM
   grid_n = n // (2 * bn)
   k_steps = k // BLOCK_K
   kernel_dtype = _kernel_out_dtype(cfg, out_dtype)
@@ -381,7 +399,7 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
               plgpu.barrier_wait(consumed.at[slot])
 
             bar = produced.at[slot]
-            x_dst = x_s.at[slot] if x_rows == bm else x_s.at[slot, pl.ds(0, x_rows)]
+            x_dst = x_s.at[slot] if x_rows == x_tile else x_s.at[slot, pl.ds(0, x_rows)]
             plgpu.copy_gmem_to_smem(
                 x_gmem.at[pl.ds(pl.multiple_of(load0, 8), x_rows),
                           pl.ds(kb * BLOCK_K, BLOCK_K)],
@@ -411,6 +429,39 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
 
         def one_unit(i, step):
           (s, ni, _, load0, offset, rows, k0), steps = unit(i)
+
+          def run_swapped(acc_ref):
+            """acc [bn, x_rows] = W tile^T x^T: the dequantized tile is wgmma's A from registers
+            (through SMEM in the interpreter, whose wgmma takes refs only)."""
+            def one_step(kk, step):
+              slot, kb = lax.rem(step, stages), k0 + kk
+              plgpu.barrier_wait(produced.at[slot])
+              w = _dequantize(p_s.at[slot, mine], s_s.at[slot, mine], lax.rem(kb, 8) * 2, bn,
+                              cfg.dequant, interpret)
+              if interpret:
+                w_buf = w_s.at[wg, 0]
+                w_buf[...] = w
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, w_buf, x_s.at[slot].T)
+              else:
+                plgpu.wgmma(acc_ref, plgpu.layout_cast(w, _WG), x_s.at[slot].T)
+              plgpu.wgmma_wait(0)       # its registers and slot are free once it is done
+              release(step)
+              return step + 1
+
+            end = lax.fori_loop(0, steps, one_step, step)
+            o_smem = o_s.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            ragged_mosaic_gpu.store_transposed(acc_ref[...].astype(kernel_dtype), o_smem,
+                                               interpret)
+            plgpu.commit_smem()
+            ragged_mosaic_gpu._store_rows(
+                o_smem, out_gmem.at[s, :, pl.ds(ni * 2 * bn + wg * bn, bn)], offset,
+                load0 + offset, rows, x_rows)
+            return end
+
+          if cfg.swap:
+            return pl.run_scoped(run_swapped, plgpu.ACC((bn, x_rows), jnp.float32))
 
           def run(acc_ref):
             def one_step(kk, step):
@@ -456,11 +507,12 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
 
     pl.run_scoped(
         scoped,
-        x_s=plgpu.SMEM((stages, bm, BLOCK_K), jnp.bfloat16, transforms=_SWIZZLE),
+        x_s=plgpu.SMEM((stages, x_tile, BLOCK_K), jnp.bfloat16, transforms=_SWIZZLE),
         p_s=plgpu.SMEM((stages, 2 * bn, BLOCK_K // 2), jnp.uint8),
         s_s=plgpu.SMEM((stages, 2 * bn, SCALE_ROW), jnp.uint8),
-        w_s=plgpu.SMEM((2, 2, bn, BLOCK_K), jnp.bfloat16, transforms=_SWIZZLE),
-        o_s=plgpu.SMEM((2, epi, bn), kernel_dtype),
+        w_s=(None if cfg.swap and not interpret
+             else plgpu.SMEM((2, 2, bn, BLOCK_K), jnp.bfloat16, transforms=_SWIZZLE)),
+        o_s=plgpu.SMEM((2, x_rows if cfg.swap else epi, bn), kernel_dtype),
         produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         collective_axes="wg")

@@ -177,6 +177,12 @@ RAGGED_CASES = {
     # the same with x_rows: every tile loads x's 24 rows from row 0
     "x_rows": (24, (10, 1, 9, 0), mosaic_gpu.Config(block_m=64, block_n=64, stages=2, split_k=2,
                                                     x_rows=24)),
+    # and with the operands swapped (x's 24 rows on wgmma's N side, the tile stored transposed)
+    "swap": (24, (10, 1, 9, 0), mosaic_gpu.Config(block_m=64, block_n=64, stages=2, split_k=2,
+                                                  x_rows=24, swap=True)),
+    # swapped without split K: the kernel stores the rows of each group directly
+    "swap_whole_k": (16, (3, 0, 12, 1), mosaic_gpu.Config(block_m=64, block_n=64, stages=3,
+                                                          x_rows=16, swap=True)),
 }
 
 
@@ -342,12 +348,50 @@ def test_select_dequant_and_full_x_lower_for_hopper(monkeypatch, m):
   assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_swapped_reads_every_code_exactly():
+  """swap: x = 8 rows of I (the first 8 of K): every code and scale of those columns through
+  the swapped product and its transposed store."""
+  n, k = 128, 512
+  packed, scale = every_code(n, k, seed=2)
+  cfg = mosaic_gpu.Config(block_m=64, block_n=64, stages=2, split_k=2, x_rows=8, swap=True)
+  x = jnp.eye(k, dtype=jnp.bfloat16)[:8]
+  out = mosaic_gpu.matmul(x, jnp.asarray(packed), jnp.asarray(scale),
+                          preferred_element_type=jnp.float32, interpret=True, config=cfg)
+  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:8])
+
+
+@pytest.mark.parametrize("m, k, n, g", [(1, 3584, 3072, 1), (16, 3584, 3072, 8)])
+def test_swapped_kernel_lowers_for_hopper(monkeypatch, m, k, n, g):
+  """swap at the K3 decode shapes: the dequantized tile as wgmma's register operand and the
+  transposed epilogue (GPU-only paths: the interpreter goes through SMEM and jnp) lower for
+  CUDA; SWAP_IS_DEFAULT makes config() choose it there."""
+  monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
+  monkeypatch.setattr(mosaic_gpu, "SWAP_IS_DEFAULT", True)
+  cfg = mosaic_gpu.config(m, k, n, g, jnp.bfloat16, 132)
+  assert cfg.swap and mosaic_gpu.smem_bytes(cfg, jnp.bfloat16) <= mosaic_gpu.SMEM_BYTES, cfg
+  s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  lead = (g,) if g > 1 else ()
+  args = [s(m, k), s(*lead, n, k // 2, dtype=jnp.uint8), s(*lead, n, k // 32, dtype=jnp.uint8)]
+  if g > 1:
+    fn = lambda x, p, sc, gs: mosaic_gpu.ragged_dot(x, p, sc, gs, config=cfg)
+    args.append(s(g, dtype=jnp.int32))
+  else:
+    fn = lambda x, p, sc: mosaic_gpu.matmul(x, p, sc, config=cfg)
+  assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_bad_configs_are_refused():
   x = activations(0, 20, 512)
   packed, scale = weights(0, 128, 512)
   for cfg, reason in ((mosaic_gpu.Config(block_m=64, block_n=64, x_rows=16), "x_rows=16"),
                       (mosaic_gpu.Config(block_m=64, block_n=64, x_rows=72), "x_rows=72"),
-                      (mosaic_gpu.Config(block_m=64, block_n=64, dequant="lut"), "dequant")):
+                      (mosaic_gpu.Config(block_m=64, block_n=64, dequant="lut"), "dequant"),
+                      (mosaic_gpu.Config(block_m=64, block_n=64, swap=True), "swap needs")):
     got = mosaic_gpu.supports_matmul(x, packed, scale, interpret=True, config=cfg)
     assert got is not None and reason in got, got
 
+  wide_packed, wide_scale = weights(0, 256, 512)
+  wide = mosaic_gpu.Config(block_m=64, block_n=128, x_rows=24, swap=True)
+  assert "swap needs" in mosaic_gpu.supports_matmul(x, wide_packed, wide_scale, interpret=True,
+                                                    config=wide)

@@ -112,3 +112,47 @@ def test_ragged_dot_k3_shapes_eight_experts(m, k, n):
   np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
   out = fn(x, packed, scale, gs, impl="mosaic_gpu")
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+
+
+def swapped(m, k, n, groups, out_dtype):
+  """The default config at this shape with the operands swapped (x_rows: all of x's rows)."""
+  cfg = mosaic_gpu.config(m, k, n, groups, out_dtype, mosaic_gpu.num_sms(False))
+  return dataclasses.replace(cfg, swap=True, x_rows=cfg.x_rows or -(-m // 8) * 8)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_swapped_reads_every_code_and_scale_exactly(m):
+  """swap (the dequantized tile as wgmma's register operand, the tile stored transposed by
+  inline Mosaic GPU): x = rows of I, out = W^T exactly."""
+  n, k = 256, 512
+  packed, scale = every_code(n, k, seed=m + 2)
+  x = jnp.eye(m, k, dtype=jnp.bfloat16)
+  out = mosaic_gpu.matmul(x, jnp.asarray(packed), jnp.asarray(scale),
+                          preferred_element_type=jnp.float32,
+                          config=swapped(m, k, n, 1, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:m])
+
+
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_swapped_k3_shapes(m, k, n):
+  """swap at the K3 shapes, dense (fp32 from split K, and bf16) and, where all rows fit one
+  tile, over 8 experts (an empty expert, rows past the groups)."""
+  x, packed, scale = make(m, k, n, 1, seed=m + k + 1)
+  ref = reference.matmul(x, packed[0], scale[0], preferred_element_type=jnp.float32)
+  for out_dtype, tol in ((jnp.float32, F32_TOL), (jnp.bfloat16, BF16_TOL)):
+    out = jax.jit(lambda a, p, s, dt=out_dtype: mosaic_gpu.matmul(
+        a, p, s, preferred_element_type=dt, config=swapped(m, k, n, 1, dt)))(
+            x, packed[0], scale[0])
+    assert out.dtype == out_dtype and rel_err(out, ref) < tol
+  if m + 5 > mosaic_gpu.SMALL_M:
+    return
+  sizes = SIZES[m]
+  x, packed, scale = make(m + 5, k, n, len(sizes), seed=m + n + 1)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
+  out = jax.jit(lambda a, p, s, g: mosaic_gpu.ragged_dot(
+      a, p, s, g, preferred_element_type=jnp.float32,
+      config=swapped(m + 5, k, n, 8, jnp.float32)))(x, packed, scale, gs)
+  assert rel_err(out, ref) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
