@@ -48,6 +48,10 @@
 #   bash benchmarks/h200_baseline.sh decode_paths         # ~3 min: k3_small decode at B 1, 4k: gathered
 #                                                          # MoE decode path, with the while loop in
 #                                                          # command buffers, sorted path
+#   bash benchmarks/h200_baseline.sh scale_out             # <= 10 min on 2+ GPUs: k3_small trained
+#                                                          # on data / expert / pipeline meshes and on
+#                                                          # one GPU (SCALE_RUNS; default by GPU count),
+#                                                          # $OUT/scale_out_h200.json
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
@@ -251,6 +255,20 @@ PY
       timeout ${MOE_DECODE_BENCH_S:-200} python3 -m benchmarks.moe_decode_gemm \
         --out=$OUT/moe_decode_h200.json 2>&1 | tee $OUT/moe_decode.log | grep -E "device|ms|declined"
       ;;
+    scale_out)
+      # benchmarks/scale_out.py: one process per run with the GPUs its mesh uses; the one-GPU
+      # baselines (same per-device batch; same global batch) first. k3_small's 2 scanned units
+      # allow pipeline 2 only; a pipeline's micro-batches (batch / accum) must split over the
+      # data x expert shards.
+      gpus=$(nvidia-smi -L | wc -l)
+      case $gpus in
+        2) runs="data=1;data=1,batch=4;expert=2" ;;
+        4) runs="data=1,batch=4;data=1,batch=8,accum=2;pipeline=2,data=2,batch=8,accum=4" ;;
+        *) runs="data=1,batch=4;data=1,batch=16,accum=4;pipeline=2,data=2,expert=2,batch=16,accum=4" ;;
+      esac
+      timeout ${SCALE_S:-590} python3 -m benchmarks.scale_out --runs="${SCALE_RUNS:-$runs}" \
+        --run_s=${SCALE_RUN_S:-280} --out=$OUT/scale_out_h200.json 2>&1 | tee $OUT/scale_out.log
+      ;;
     decode_attention)
       # The decode attention kernel's GPU tests, then every tier's device time at the decode
       # shapes; records are merged per (B, S), so a run cut short by its timeout keeps its rows.
@@ -319,7 +337,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, scale_out, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac
