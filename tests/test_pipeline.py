@@ -80,10 +80,17 @@ def _start(out: str, overrides: dict, devices: int) -> subprocess.Popen:
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+def _part(npz, prefix: str) -> dict[str, np.ndarray]:
+  """The arrays of an npz file under one top-level key (`['params']...`)."""
+  return {k: npz[k] for k in npz.files if k.startswith(f"['{prefix}']")}
+
+
 def _assert_leaves_close(got, want, rtol: float, atol: float, what: str):
-  """Every array of two npz files within atol + rtol x the reference leaf's largest magnitude."""
-  assert sorted(got.files) == sorted(want.files), what
-  for key in want.files:
+  """Every array of two npz files (or dicts) within atol + rtol x the reference leaf's largest
+  magnitude."""
+  files = lambda a: sorted(a.files if hasattr(a, "files") else a)
+  assert files(got) == files(want) and files(want), what
+  for key in files(want):
     scale = float(np.max(np.abs(want[key]))) if want[key].size else 0.0
     np.testing.assert_allclose(got[key], want[key], rtol=0, atol=atol + rtol * scale,
                                err_msg=f"{what} {key}")
@@ -100,9 +107,10 @@ def test_pipeline_steps_match_single_device(tmp_path):
   give every metric (losses, grad norm, per-layer expert loads, max logit) within rtol 1e-5.
   After updates, float-level gradient differences move Adam's sign-like first steps on
   near-zero gradients and Muon's bf16 Newton-Schulz, so step 2's losses are held to rtol 1e-4,
-  its grad norm and max logit to 2e-3, and the parameters and biases after three steps to half
-  the summed learning rate (the data x expert sharded step without a pipeline differs from one
-  device by up to 9e-4 here as well). The compiled step sends activations by collective-permute,
+  its grad norm and max logit to 2e-3, the parameters after three steps to half the summed
+  learning rate (the data x expert sharded step without a pipeline differs from one device by
+  up to 9e-4 here as well) and the MoE biases to that plus one histogram bin width (a score
+  moved across a bin edge: 1.5e-3 on one expert on some CPUs). The compiled step sends activations by collective-permute,
   and a device stores half of the layer stack."""
   runs = {"single": (OVERRIDES, 1), **{name: ({**OVERRIDES, **mesh}, 8)
                                         for name, mesh in MESHES.items()}}
@@ -134,9 +142,16 @@ def test_pipeline_steps_match_single_device(tmp_path):
     _assert_leaves_close(np.load(tmp_path / f"{name}.npz.step0.npz"),
                          np.load(tmp_path / "single.npz.step0.npz"), 1e-4, 0.0,
                          f"{name} after step 0")
-    _assert_leaves_close(np.load(tmp_path / f"{name}.npz"), np.load(tmp_path / "single.npz"),
-                         0.0, 0.5 * sum(m["learning_rate"] for m in want),
-                         f"{name} after {STEPS} steps")
+    got_final, want_final = np.load(tmp_path / f"{name}.npz"), np.load(tmp_path / "single.npz")
+    drift = 0.5 * sum(m["learning_rate"] for m in want)
+    _assert_leaves_close(_part(got_final, "params"), _part(want_final, "params"), 0.0, drift,
+                         f"{name} params after {STEPS} steps")
+    # The biases come from Quantile Balancing's score histogram: a score that float-level
+    # differences move across a bin edge moves the bias by up to a bin width (scores in (0, 1)
+    # over qb_num_bins bins), beside the parameters' drift.
+    bin_width = 1.0 / config.load(TINY, OVERRIDES).model.moe.qb_num_bins
+    _assert_leaves_close(_part(got_final, "buffers"), _part(want_final, "buffers"), 0.0,
+                         drift + bin_width, f"{name} biases after {STEPS} steps")
 
 
 @pytest.mark.parametrize("stages,microbatches", [(2, 1), (2, 4), (3, 2), (4, 7)])
