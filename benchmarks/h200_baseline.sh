@@ -26,6 +26,8 @@
 #   bash benchmarks/h200_baseline.sh train_compile         # ~3 min: the step's compile under the
 #                                                          # profiler, its trace in $OUT
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
+#   bash benchmarks/h200_baseline.sh train_cache           # <= 8 min: the step's compile through JAX's
+#                                                          # persistent cache, cold then warm
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
 #   bash benchmarks/h200_baseline.sh mxfp4                 # <= 6 min: MXFP4 matmul GPU tests, ours (and
 #                                                          # its MXFP4_VARIANTS) vs bf16 XLA and the bf16
@@ -204,6 +206,16 @@ PY
         --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json 2>&1 \
         | tee $OUT/train.log | tail -3
       ;;
+    train_cache)
+      # The k3_small step compiled twice through one fresh JAX persistent cache: cold, then
+      # warm (what a rerun of an unchanged experiment waits with launch.train's default cache).
+      rm -rf /tmp/k3jax_jax_cache
+      for run in cold warm; do
+        timeout 280 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+          --config.train.global_batch_size=2 --steps=4 --jax_cache_dir=/tmp/k3jax_jax_cache \
+          --out=$OUT/train_h200.json 2>&1 | tee $OUT/train_cache_$run.log | grep "compile phases"
+      done
+      ;;
     attention)
       # The attention op's GPU tests, then ours vs cuDNN's own call (ATTN_SHAPES, ATTN_IMPLS).
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${ATTN_TEST_S:-120} python3 -m pytest -q \
@@ -337,7 +349,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, scale_out, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac

@@ -6,7 +6,8 @@ table of where their device time goes by part, `benchmarks/step_parts.py`: print
 and kept in the record as `parts`; on GPUs these steps run a second compilation of the step
 without CUDA graphs, whose kernels name their HLO ops in the trace). The compile is timed by
 phase (trace, lower, XLA compile, two warm-up steps that also build the Pallas kernels);
-`--compile_trace_dir=DIR` runs it under the profiler and tables the longest host events.
+`--compile_trace_dir=DIR` runs it under the profiler and tables the longest host events;
+`--jax_cache_dir=DIR` compiles through JAX's persistent cache (a second run is "warm").
 Random tokens (no data pipeline in the timed region); the step is the real `k3jax.train` step.
 """
 import collections
@@ -31,6 +32,9 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records
 _STEPS = flags.DEFINE_integer("steps", 8, "Timed steps (after 2 warm-up steps).")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "If set, an XLA profiler trace of two "
                                    "more steps (after the timed ones) is written here.")
+_JAX_CACHE_DIR = flags.DEFINE_string(
+    "jax_cache_dir", "", "JAX's persistent compilation cache directory (as launch programs' "
+    "--jax_cache_dir); recorded as compile_cache \"cold\" (empty before the run) or \"warm\".")
 _COMPILE_TRACE_DIR = flags.DEFINE_string(
     "compile_trace_dir", "", "If set, the compile and warm-up run under the profiler and the "
     "host events that took longest (XLA passes, autotuning, kernel builds) are tabled.")
@@ -62,6 +66,11 @@ def main(argv):
   del argv
   cfg = config_lib.validate(_CONFIG.value)
   t = cfg.train
+  compile_cache = None
+  if _JAX_CACHE_DIR.value:
+    cache = os.path.expanduser(_JAX_CACHE_DIR.value)
+    compile_cache = "warm" if os.path.isdir(cache) and os.listdir(cache) else "cold"
+    train.enable_compilation_cache(cache)
   setup, state = train.init(cfg, 0)
   # The step is traced under a mesh of this one device, as in training (k3jax.loop); at data = 1
   # the FSDP rules change nothing.
@@ -133,6 +142,7 @@ def main(argv):
              muon_ns_dtype=cfg.train.muon_ns_dtype, xla_flags=os.environ.get("XLA_FLAGS", ""),
              xla_triton_gemm=cfg.kernels.xla_triton_gemm,
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
+             compile_cache=compile_cache,
              device=common.device_name(), date=common.today(), commit=common.code_commit(),
              versions=common.versions())
   rec["profiled"] = bool(parts)
@@ -142,7 +152,7 @@ def main(argv):
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
-                        "xla_flags", "xla_triton_gemm", "profiled", "device"))
+                        "xla_flags", "xla_triton_gemm", "profiled", "compile_cache", "device"))
   print(rec)
 
 

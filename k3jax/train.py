@@ -5,6 +5,7 @@ inside the step with `nnx.merge(graphdef, params, buffers)`. `buffers` holds the
 variables, i.e. the MoE balancing biases, updated outside the optimizer (report §2.3.3).
 """
 import dataclasses
+import os
 from typing import Any, Callable
 
 import jax
@@ -230,6 +231,21 @@ def compiler_options(cfg: ml_collections.ConfigDict) -> dict[str, bool]:
   longer (their autotuning and codegen). Other backends ignore the option.
   """
   return {"xla_gpu_enable_triton_gemm": bool(cfg.kernels.xla_triton_gemm)}
+
+
+def enable_compilation_cache(path: str) -> None:
+  """Points JAX's persistent compilation cache (with XLA's per-fusion autotune results on GPU)
+  at `path`, created if missing ("" leaves it off); OSError if it cannot be created.
+
+  Programs that compile for over a second (`jax_persistent_cache_min_compile_time_secs`) are
+  stored, keyed by their HLO, compile options, backend and JAX version, so a changed model or
+  kernel compiles afresh; `JAX_LOG_COMPILES=1` logs each hit.
+  """
+  if not path:
+    return
+  path = os.path.expanduser(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
 
 
 def state_shardings(setup: Setup, state: TrainState, mesh, rules) -> TrainState:

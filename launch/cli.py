@@ -6,12 +6,13 @@ and the libraries' logs instead. `launch.train` exits with EXIT_PREEMPTED after 
 its checkpoint is saved, so that a scheduler can tell "requeue me" from "done" (0).
 """
 import logging as py_logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from absl import app, flags, logging
 
-from k3jax import checkpoint, data
+from k3jax import checkpoint, data, train
 from k3jax import config as config_lib
 
 EXIT_ERROR = 2
@@ -27,6 +28,18 @@ HANDLED = (config_lib.ConfigError, data.DataError, checkpoint.CheckpointError, F
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show tracebacks and library logs (INFO) instead "
                              "of short error messages.")
+_JAX_CACHE_DIR = flags.DEFINE_string(
+    "jax_cache_dir", "~/.cache/k3jax/jax", "JAX's persistent compilation cache (with XLA's "
+    "per-fusion autotune results on GPU): a program compiled once is loaded by the next run "
+    "instead of compiled again. Empty: off.")
+
+
+def _enable_compilation_cache(path: str) -> None:
+  try:
+    train.enable_compilation_cache(path)
+  except OSError as e:
+    raise FlagError(f"--jax_cache_dir: cannot create {os.path.expanduser(path)} "
+                    f"({e.strerror})") from None
 
 
 def handled_error(error: BaseException) -> BaseException | None:
@@ -74,6 +87,7 @@ def run(main: Callable[[list[str]], None]) -> None:
         logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
       py_logging.getLogger("asyncio").setLevel(py_logging.CRITICAL)
     try:
+      _enable_compilation_cache(_JAX_CACHE_DIR.value)
       main(argv)
     except Exception as e:  # pylint: disable=broad-exception-caught
       error = handled_error(e)

@@ -161,10 +161,11 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
              f"--out={out}", f"--profile_dir={tmp_path}/trace",
-             f"--compile_trace_dir={tmp_path}/compile")
+             f"--compile_trace_dir={tmp_path}/compile", f"--jax_cache_dir={tmp_path}/cache")
   assert list((tmp_path / "trace").rglob("*.trace.json.gz"))
   (rec,) = records(out)
   assert rec["config"] == "k3_tiny" and rec["tokens_per_s"] > 0 and rec["loss"] > 0
+  assert rec["compile_cache"] == "cold" and os.listdir(tmp_path / "cache")
   phases = [rec[k] for k in ("trace_s", "lower_s", "xla_compile_s", "warmup_s")]
   assert min(phases) >= 0 and sum(phases) <= rec["compile_and_warmup_s"] + 0.2
   names = [p["name"] for p in rec["compile_parts"]]

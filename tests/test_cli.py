@@ -27,7 +27,8 @@ SMALL = {"model.num_layers": 4, "model.full_attn_layers": (2, 4), "model.attn_re
 def _train_cmd(workdir, overrides=None, *extra):
   args = {**SMALL, **(overrides or {})}
   return ([sys.executable, "-m", "launch.train", "--config=experiments/configs/k3_tiny.py",
-           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in args.items()] + list(extra))
+           f"--workdir={workdir}", "--jax_cache_dir="]   # no compilation cache unless asked
+          + [f"--config.{k}={v}" for k, v in args.items()] + list(extra))
 
 
 def _run(cmd, timeout=600):
@@ -89,6 +90,27 @@ def test_config_errors_are_short_and_write_nothing(tmp_path, flag, needles):
   workdir = tmp_path / "w"
   _short_error(_run(_train_cmd(workdir, {}, flag), timeout=120), *needles)
   assert not workdir.exists()
+
+
+def test_compilation_cache_serves_the_next_run(tmp_path):
+  """A second run of the same config loads the train step from --jax_cache_dir (JAX logs the hit
+  with JAX_LOG_COMPILES); an uncreatable cache directory is a short error naming the flag."""
+  cache = tmp_path / "cache"
+  short = {"train.steps": 2, "train.checkpoint_every": 2}
+  first = _run(_train_cmd(tmp_path / "a", short, f"--jax_cache_dir={cache}"))
+  assert first.returncode == 0, first.stderr[-3000:]
+  stored = sorted(os.listdir(cache))
+  assert stored
+  env = dict(os.environ, JAX_LOG_COMPILES="1")
+  second = subprocess.run(_train_cmd(tmp_path / "b", short, f"--jax_cache_dir={cache}"),
+                          capture_output=True, text=True, timeout=600, env=env)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "Persistent compilation cache hit for 'jit_step'" in second.stderr, (
+      second.stderr[-3000:])
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  _short_error(_run(_train_cmd(tmp_path / "c", short, f"--jax_cache_dir={blocked}/jax"),
+                    timeout=120), "--jax_cache_dir: cannot create")
 
 
 def test_verbose_shows_the_traceback(tmp_path):
