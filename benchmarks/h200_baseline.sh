@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_baseline.sh kda_ptxas             # ~1 min: registers / spills of each KDA kernel
 #   bash benchmarks/h200_baseline.sh kda_trace             # ~1 min: XLA trace of fwd+bwd, time per kernel
 #   bash benchmarks/h200_baseline.sh kda_accuracy          # ~3 min: outputs, gradients vs fp64 (ours, fla)
+#   bash benchmarks/h200_baseline.sh gpu_tests             # <= 9 min: every Hopper-only kernel test file
+#                                                          # but KDA's (grouped GEMMs, decode attention,
+#                                                          # MXFP4, fused gate/up, top-k, attention)
 #   bash benchmarks/h200_baseline.sh moe train             # ~8 min: MoE layer per tier, k3_small step
 #   bash benchmarks/h200_baseline.sh moe_trace             # ~4 min: top-k; traces of MoE layer, routing
 #   bash benchmarks/h200_baseline.sh moe_gemm              # ~3 min: grouped GEMMs vs torch at the K3 shapes
@@ -89,6 +92,14 @@ x = torch.empty(2**30, device="cuda", dtype=torch.uint8); y = torch.empty_like(x
 ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
 print(f"d2d copy: {2*2**30/ms/1e9:.2f} TB/s (read+write)")
 PY
+      ;;
+    gpu_tests)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_S:-540} python3 -m pytest -q \
+        -p no:cacheprovider -n ${GPU_TEST_WORKERS:-4} --durations=10 \
+        tests/pallas_kernels/test_ragged_dot_gpu.py tests/pallas_kernels/test_decode_attention_gpu.py \
+        tests/pallas_kernels/test_mxfp4_matmul_gpu.py tests/pallas_kernels/test_moe_gate_up.py \
+        tests/pallas_kernels/test_top_k.py tests/pallas_kernels/test_attention_gpu.py \
+        tests/pallas_kernels/test_kernel_reuse.py 2>&1 | tee $OUT/gpu_tests.log | tail -30
       ;;
     kda_tests)
       KDA_TEST_ARGS="-n 4" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 450 \
@@ -348,7 +359,7 @@ PY
       python3 -m benchmarks.trace_summary --trace=$OUT/train_trace.json.gz --top=40
       ;;
     *)
-      echo "unknown section $section (ceilings, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
+      echo "unknown section $section (ceilings, gpu_tests, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
         moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
