@@ -37,17 +37,24 @@ import tempfile
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "benchmarks/results/scale_out_h200.json",
-                           "Records (JSON list).")
-_CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
-_RUNS = flags.DEFINE_string("runs", "data=1;data=2", "Run specs (module docstring).")
-_PER_DEVICE_BATCH = flags.DEFINE_integer("per_device_batch", 2, "Sequences per batch shard.")
-_STEPS = flags.DEFINE_integer("steps", 12, "Training steps per run.", lower_bound=5)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "train.seq_len (0: the config's).")
-_RUN_S = flags.DEFINE_integer("run_s", 900, "Seconds a run may take before it is stopped.")
-_TOY = flags.DEFINE_bool("toy", False, "A 4-layer k3_tiny at T 32 on CPU devices.")
-_RUN_ONE = flags.DEFINE_string("run_one", "", "Internal: run this spec in this process and "
-                               "print its record after RESULT.")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command line's flags, defined when the module runs as a program only: the tests import
+  its functions beside other benchmark modules that define flags of the same names."""
+  flags.DEFINE_string("out", "benchmarks/results/scale_out_h200.json", "Records (JSON list).")
+  flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Config file.")
+  flags.DEFINE_string("runs", "data=1;data=2", "Run specs (module docstring).")
+  flags.DEFINE_integer("per_device_batch", 2, "Sequences per batch shard.")
+  flags.DEFINE_integer("steps", 12, "Training steps per run.", lower_bound=5)
+  flags.DEFINE_integer("seq_len", 0, "train.seq_len (0: the config's).")
+  flags.DEFINE_integer("run_s", 900, "Seconds a run may take before it is stopped.")
+  flags.DEFINE_bool("toy", False, "A 4-layer k3_tiny at T 32 on CPU devices.")
+  flags.DEFINE_string("run_one", "", "Internal: run this spec in this process and print its "
+                      "record after RESULT.")
+
+
 WARMUP_STEPS = 2
 PROFILED_STEPS = 2
 MESH_AXES = ("data", "expert", "pipeline", "context")
@@ -174,10 +181,10 @@ def run_one(spec: str) -> dict:
   from benchmarks import common  # pylint: disable=import-outside-toplevel
   from k3jax import config as config_lib, flops, loop  # pylint: disable=import-outside-toplevel
 
-  run = parse_spec(spec, _PER_DEVICE_BATCH.value)
-  toy = _TOY.value
-  config_file = "experiments/configs/k3_tiny.py" if toy else _CONFIG.value
-  cfg = config_lib.load(config_file, overrides(run, toy, _STEPS.value, _SEQ_LEN.value))
+  run = parse_spec(spec, FLAGS.per_device_batch)
+  toy = FLAGS.toy
+  config_file = "experiments/configs/k3_tiny.py" if toy else FLAGS.config
+  cfg = config_lib.load(config_file, overrides(run, toy, FLAGS.steps, FLAGS.seq_len))
   if jax.device_count() != run["devices"]:
     raise RuntimeError(f"run {spec!r} needs {run['devices']} devices, this process has "
                        f"{jax.device_count()}")
@@ -226,10 +233,10 @@ def derive(records: list[dict]) -> None:
 def earlier(records: list[dict]) -> list[dict]:
   """The records in --out of the same config and device as `records` but of other runs: the
   one-device baselines of earlier invocations count for `derive`."""
-  if not os.path.exists(_OUT.value):
+  if not os.path.exists(FLAGS.out):
     return []
   now = records[-1]
-  with open(_OUT.value) as f:
+  with open(FLAGS.out) as f:
     return [r for r in json.load(f) if r.get("op") == "scale_out" and r["config"] == now["config"]
             and r["device"] == now["device"] and r["run"] not in {x["run"] for x in records}]
 
@@ -246,25 +253,25 @@ def _child_env(devices: int, toy: bool) -> dict[str, str]:
 
 def main(argv):
   del argv
-  if _RUN_ONE.value:
-    print("RESULT" + json.dumps(run_one(_RUN_ONE.value)), flush=True)
+  if FLAGS.run_one:
+    print("RESULT" + json.dumps(run_one(FLAGS.run_one)), flush=True)
     return
   from benchmarks import common  # pylint: disable=import-outside-toplevel
-  specs = [s.strip() for s in _RUNS.value.split(";") if s.strip()]
+  specs = [s.strip() for s in FLAGS.runs.split(";") if s.strip()]
   for spec in specs:      # every spec checked before anything runs
-    parse_spec(spec, _PER_DEVICE_BATCH.value)
+    parse_spec(spec, FLAGS.per_device_batch)
   records = []
   for spec in specs:
-    run = parse_spec(spec, _PER_DEVICE_BATCH.value)
+    run = parse_spec(spec, FLAGS.per_device_batch)
     args = [sys.executable, "-m", "benchmarks.scale_out", f"--run_one={spec}",
-            f"--config={_CONFIG.value}", f"--per_device_batch={_PER_DEVICE_BATCH.value}",
-            f"--steps={_STEPS.value}", f"--seq_len={_SEQ_LEN.value}"] + (
-                ["--toy"] if _TOY.value else [])
+            f"--config={FLAGS.config}", f"--per_device_batch={FLAGS.per_device_batch}",
+            f"--steps={FLAGS.steps}", f"--seq_len={FLAGS.seq_len}"] + (
+                ["--toy"] if FLAGS.toy else [])
     try:
-      proc = subprocess.run(args, capture_output=True, text=True, timeout=_RUN_S.value,
-                            env=_child_env(run["devices"], _TOY.value))
+      proc = subprocess.run(args, capture_output=True, text=True, timeout=FLAGS.run_s,
+                            env=_child_env(run["devices"], FLAGS.toy))
     except subprocess.TimeoutExpired:
-      print(f"{spec}: stopped after {_RUN_S.value} s", flush=True)
+      print(f"{spec}: stopped after {FLAGS.run_s} s", flush=True)
       continue
     if proc.returncode != 0 or "RESULT" not in proc.stdout:
       print(f"{spec}: failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}", flush=True)
@@ -277,8 +284,9 @@ def main(argv):
           f"efficiency {rec['scaling_efficiency']}  loss diff {rec['max_loss_rel_diff']}  "
           f"all-to-all {shares.get('all_to_all_share')}  idle {shares.get('idle_share')}",
           flush=True)
-    common.merge_records(_OUT.value, records, KEY_FIELDS)   # a run cut short keeps the others
+    common.merge_records(FLAGS.out, records, KEY_FIELDS)   # a run cut short keeps the others
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -6,11 +6,18 @@ import pathlib
 import subprocess
 import sys
 
+from absl import flags
 import pytest
 
 from benchmarks import scale_out
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_importing_defines_no_flags():
+  """The tests import the module beside other benchmark modules with flags of the same names
+  (--out, --config, --steps): only the program defines its flags."""
+  assert "run_one" not in flags.FLAGS and "runs" not in flags.FLAGS
 
 
 def test_run_specs_fill_batch_and_micro_batches():
