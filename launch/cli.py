@@ -31,15 +31,20 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "Show tracebacks and library logs
 _JAX_CACHE_DIR = flags.DEFINE_string(
     "jax_cache_dir", "~/.cache/k3jax/jax", "JAX's persistent compilation cache (with XLA's "
     "per-fusion autotune results on GPU): a program compiled once is loaded by the next run "
-    "instead of compiled again. Empty: off.")
+    "instead of compiled again. Empty: off. A given directory that cannot be created is an "
+    "error; the default one only a warning.")
 
 
 def _enable_compilation_cache(path: str) -> None:
+  """--jax_cache_dir: a directory given that cannot be created is an error; the default one
+  (under HOME) only a warning, and the run compiles without the cache."""
   try:
     train.enable_compilation_cache(path)
   except OSError as e:
-    raise FlagError(f"--jax_cache_dir: cannot create {os.path.expanduser(path)} "
-                    f"({e.strerror})") from None
+    where = f"{os.path.expanduser(path)} ({e.strerror})"
+    if flags.FLAGS["jax_cache_dir"].present:
+      raise FlagError(f"--jax_cache_dir: cannot create {where}") from None
+    logging.warning("no compilation cache: cannot create %s; --jax_cache_dir sets another", where)
 
 
 def handled_error(error: BaseException) -> BaseException | None:

@@ -111,6 +111,14 @@ def test_compilation_cache_serves_the_next_run(tmp_path):
   blocked.write_text("")
   _short_error(_run(_train_cmd(tmp_path / "c", short, f"--jax_cache_dir={blocked}/jax"),
                     timeout=120), "--jax_cache_dir: cannot create")
+  # The default directory under a HOME that cannot hold it: a warning, then the run goes on (to
+  # the config error here, which stops it before the model is built).
+  cmd = [a for a in _train_cmd(tmp_path / "d", {"model.kda.gate": "relu"})
+         if not a.startswith("--jax_cache_dir")]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, HOME=str(blocked)))
+  err = _short_error(proc, "`model.kda.gate`")
+  assert "no compilation cache: cannot create" in err
 
 
 def test_verbose_shows_the_traceback(tmp_path):
