@@ -36,6 +36,10 @@ import sys
 import tempfile
 
 from absl import app, flags
+import jax
+
+from benchmarks import common, step_parts
+from k3jax import config as config_lib, flops, loop
 
 FLAGS = flags.FLAGS
 
@@ -145,15 +149,12 @@ def trace_shares(trace: dict, steps: int) -> dict:
   to last kernel end), busy time (any kernel), each collective kind's kernel time and its
   exposed part (no compute kernel beside it), idle time; and their shares of the span averaged
   over the devices."""
-  events = trace["traceEvents"]
-  names = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"
-           and e["args"]["name"].startswith("/device:")}
+  names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
   spans: dict[int, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in names and "dur" in e:
-      interval = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-      spans[e["pid"]][collective_kind(e["name"]) or "compute"].append(interval)
+  for e in step_parts.op_events(trace):
+    interval = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+    spans[e["pid"]][collective_kind(e["name"]) or "compute"].append(interval)
   per_device = {}
   for pid, kinds in sorted(spans.items()):
     everything = _union([i for ivs in kinds.values() for i in ivs])
@@ -177,10 +178,6 @@ def trace_shares(trace: dict, steps: int) -> dict:
 
 def run_one(spec: str) -> dict:
   """Trains one run in this process (its devices set by the parent) and returns its record."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from benchmarks import common  # pylint: disable=import-outside-toplevel
-  from k3jax import config as config_lib, flops, loop  # pylint: disable=import-outside-toplevel
-
   run = parse_spec(spec, FLAGS.per_device_batch)
   toy = FLAGS.toy
   config_file = "experiments/configs/k3_tiny.py" if toy else FLAGS.config
@@ -256,7 +253,6 @@ def main(argv):
   if FLAGS.run_one:
     print("RESULT" + json.dumps(run_one(FLAGS.run_one)), flush=True)
     return
-  from benchmarks import common  # pylint: disable=import-outside-toplevel
   specs = [s.strip() for s in FLAGS.runs.split(";") if s.strip()]
   for spec in specs:      # every spec checked before anything runs
     parse_spec(spec, FLAGS.per_device_batch)
