@@ -16,6 +16,8 @@ Rows (implementation):
 - "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
 - "mxfp4_xla": the xla tier, the weight in XLA's float4 / E8M0 types (a dequantization XLA's
   GEMM fusion may take: run with XLA_FLAGS to try it);
+- "mxfp4_unpacked": the unpacked tier, the weight unpacked to bf16 in HBM on every call, then
+  cuBLAS (dense) or our bf16 grouped GEMM (grouped);
 - "bf16_xla": `jnp.dot` with the dequantized bf16 weight (materialised beforehand), dense only;
 - "bf16_ragged_dot": our bf16 grouped GEMM `pallas_kernels.ragged_dot.ragged_dot` (its default
   tier; `tier` says which ran), grouped only.
@@ -148,6 +150,8 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
             x, p, s, sizes(x), impl="reference"), "mxfp4"),
         "mxfp4_xla": (lambda x, p, s: op.mxfp4_ragged_dot(x, p, s, sizes(x), impl="xla"),
                       "mxfp4"),
+        "mxfp4_unpacked": (lambda x, p, s: op.mxfp4_ragged_dot(x, p, s, sizes(x),
+                                                               impl="unpacked"), "mxfp4"),
         "bf16_ragged_dot": (lambda x, w_t: grouped_gemm.ragged_dot(x, w_t, sizes(x)), "bf16"),
     }
   return {
@@ -158,6 +162,7 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
           cfg=cfg), "mxfp4") for name, cfg in configs.items()},
       "mxfp4_reference": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="reference"), "mxfp4"),
       "mxfp4_xla": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="xla"), "mxfp4"),
+      "mxfp4_unpacked": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="unpacked"), "mxfp4"),
       "bf16_xla": (lambda x, w: jnp.dot(x, w.T), "bf16"),
   }
 

@@ -14,7 +14,9 @@ products accumulate in fp32.
 
 Tiers ("impl"): "reference" (`k3jax.mx.unpack_k3` then `jnp.dot` / `jax.lax.ragged_dot`, any
 platform), "xla" (the same product with the weight in XLA's float4_e2m1fn / float8_e8m0fnu
-types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "mosaic_gpu"
+types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "unpacked" (the
+weight unpacked to bf16 in HBM once per call, then cuBLAS / our bf16 grouped GEMM; any platform,
+`unpacked.py`), "mosaic_gpu"
 (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
 (`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
 (`default_impls`): a kernel joins it only after its tests pass on its hardware and where it is
@@ -42,7 +44,7 @@ import numpy as np
 from pallas_kernels import tiers
 from pallas_kernels.mxfp4_matmul import reference
 
-IMPLS = ("reference", "xla", "mosaic_gpu", "mosaic_tpu")
+IMPLS = ("reference", "xla", "unpacked", "mosaic_gpu", "mosaic_tpu")
 BLOCK = 32
 Plan = tiers.Plan
 

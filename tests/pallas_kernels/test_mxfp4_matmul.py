@@ -112,6 +112,30 @@ def test_xla_tier_equals_the_reference(dtype):
   assert plan(x, p, s, impl="xla").impl == "xla"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_unpacked_tier_equals_the_reference(dtype):
+  """The weight unpacked in HBM, then the bf16 products (on CPU: XLA's dot and ragged_dot, the
+  reference's own, so equal but for the summation order of the compiled dot): dense and grouped
+  (an empty group, rows past the groups)."""
+  packed, scale = every_code(64, 256, seed=2)
+  p, s = jnp.asarray(packed), jnp.asarray(scale)
+  x = activations(9, 24, 256, dtype)
+  for out_dtype in (None, jnp.float32):
+    got = jax.jit(mxfp4_matmul, static_argnames=("impl", "preferred_element_type"))(
+        x, p, s, impl="unpacked", preferred_element_type=out_dtype)
+    want = reference.matmul(x, p, s, preferred_element_type=out_dtype)
+    assert got.dtype == want.dtype and rel_err(got, want) < F32_TOL
+  pg, sg = weights(10, 3, 64, 256)
+  gs = jnp.asarray([10, 0, 9], jnp.int32)
+  got = mxfp4_ragged_dot(x, pg, sg, gs, impl="unpacked", preferred_element_type=jnp.float32)
+  assert rel_err(got, oracle(x, pg, sg, [10, 0, 9])) < (BF16_TOL if dtype == jnp.bfloat16
+                                                         else F32_TOL)
+  assert rel_err(got, reference.ragged_dot(x, pg, sg, gs,
+                                           preferred_element_type=jnp.float32)) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(got)[19:], 0.0)
+  assert plan_ragged_dot(x, pg, sg, gs, impl="unpacked").impl == "unpacked"
+
+
 def test_kernel_bit_formulas_cover_every_code_and_scale():
   """`e2m1_bits` for the 16 sign-extended codes and `e8m0_bf16` for the 256 scale bytes,
   compared as bits (no float arithmetic, so no platform denormal mode is involved)."""

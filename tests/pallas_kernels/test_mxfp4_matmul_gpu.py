@@ -114,6 +114,25 @@ def test_ragged_dot_k3_shapes_eight_experts(m, k, n):
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [16, 4096])
+def test_unpacked_tier_k3_shapes(m, k, n):
+  """The unpacked tier (bf16 weight in HBM, then cuBLAS / the bf16 grouped GEMM's Mosaic GPU
+  kernel) against the reference, dense and over 8 experts."""
+  x, packed, scale = make(m + 5, k, n, 8, seed=m + 2 * n)
+  gs = jnp.asarray(SIZES[m], jnp.int32)
+  fn = jax.jit(mxfp4_ragged_dot, static_argnames=("impl", "preferred_element_type"))
+  ref = jax.jit(reference.ragged_dot, static_argnames="preferred_element_type")(
+      x, packed, scale, gs, preferred_element_type=jnp.float32)
+  out = fn(x, packed, scale, gs, impl="unpacked", preferred_element_type=jnp.float32)
+  assert rel_err(out, ref) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(SIZES[m]):], 0.0)
+  dense = jax.jit(mxfp4_matmul, static_argnames=("impl", "preferred_element_type"))
+  ref = reference.matmul(x, packed[0], scale[0], preferred_element_type=jnp.float32)
+  out = dense(x, packed[0], scale[0], impl="unpacked")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+
+
 def swapped(m, k, n, groups, out_dtype):
   """The default config at this shape with the operands swapped (x_rows: all of x's rows)."""
   cfg = mosaic_gpu.config(m, k, n, groups, out_dtype, mosaic_gpu.num_sms(False))

@@ -1,0 +1,46 @@
+"""unpacked tier: the MXFP4 weight unpacked to x's dtype in HBM once per call, then the fastest
+bf16 product: `jnp.dot` (cuBLAS on GPU) dense, `pallas_kernels.ragged_dot` (its own default tier,
+the Mosaic GPU grouped GEMM on Hopper) grouped.
+
+The unpacked weight is materialised (`jax.lax.optimization_barrier`), so XLA cannot fold the
+dequantization into a GEMM fusion of its own choosing: at many rows the extra bytes (the bf16
+weight written and read once, ~4.7x the packed bytes) cost less than dequantizing on chip in
+every row tile (BENCHMARKS.md "MXFP4 matmul"). Same values as the reference (`unpack_k3`, exact
+in bf16); the grouped product differs from the reference's `jax.lax.ragged_dot` only in the fp32
+summation order. Takes every valid call, on any platform.
+"""
+import jax
+import jax.numpy as jnp
+
+from k3jax import mx
+from pallas_kernels import ragged_dot as grouped_gemm
+from pallas_kernels.mxfp4_matmul import reference
+
+# Like the reference, the tier takes every valid call.
+supports_matmul = reference.supports_matmul
+supports_ragged_dot = reference.supports_ragged_dot
+
+
+def _unpacked(w_packed: jax.Array, w_scale: jax.Array, dtype, *, transpose: bool) -> jax.Array:
+  """W [..., N, K] (W^T [..., K, N] if `transpose`) in `dtype`, written to HBM: no fusion of
+  the dequantization into the consumer."""
+  w = mx.unpack_k3(w_packed, w_scale).astype(dtype)
+  return jax.lax.optimization_barrier(jnp.swapaxes(w, -1, -2) if transpose else w)
+
+
+def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
+           preferred_element_type=None, interpret: bool = False) -> jax.Array:
+  """x [M, K] @ W^T -> [M, N], W from (w_packed [N, K/2], w_scale [N, K/32])."""
+  del interpret
+  out = jnp.dot(x, _unpacked(w_packed, w_scale, x.dtype, transpose=False).T,
+                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return out.astype(reference.out_dtype(x, preferred_element_type))
+
+
+def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: jax.Array,
+               *, preferred_element_type=None, interpret: bool = False) -> jax.Array:
+  """`pallas_kernels.ragged_dot(lhs [M, K], W^T [G, K, N], group_sizes)`, W [G, N, K]."""
+  w_t = _unpacked(w_packed, w_scale, lhs.dtype, transpose=True)
+  out = grouped_gemm.ragged_dot(lhs, w_t, group_sizes.astype(jnp.int32),
+                                preferred_element_type=jnp.float32, interpret=interpret)
+  return out.astype(reference.out_dtype(lhs, preferred_element_type))
