@@ -199,16 +199,6 @@ def pack_k3(w: jax.Array, scale_rule: str = "floor") -> tuple[jax.Array, jax.Arr
   return packed, _scale_bits(shared, nonfinite)
 
 
-def _e2m1_values(codes: jax.Array) -> jax.Array:
-  """E2M1 codes (uint8, 0..15) -> their float32 values (`E2M1_VALUES`), by building the float's
-  bits: an elementwise form that XLA fuses into its consumers (a table lookup is a gather).
-  Code (s, e, m): e = 0 is 0 or 0.5 (m); else 2^(e-1) (1 + m/2)."""
-  c = codes.astype(jnp.uint32)
-  e, m = (c >> 1) & 3, c & 1
-  bits = jnp.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((c >> 3) << 31)
-  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
-
-
 def unpack_k3(weight_packed: jax.Array, weight_scale: jax.Array) -> jax.Array:
   """(weight_packed uint8 [..., out, in/2], weight_scale uint8 [..., out, in/32]) -> float32
   [..., out, in] = E2M1 value of each nibble (low nibble: even column) * 2^(scale - 127)."""
@@ -222,7 +212,8 @@ def unpack_k3(weight_packed: jax.Array, weight_scale: jax.Array) -> jax.Array:
                      f"in/32] with in a multiple of {BLOCK}, got {weight_packed.shape} and "
                      f"{weight_scale.shape}")
   codes = jnp.stack([weight_packed & 0xF, weight_packed >> 4], axis=-1)
-  values = _e2m1_values(codes).reshape(*weight_scale.shape, BLOCK)
+  values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+  values = values.reshape(*weight_scale.shape, BLOCK)
   return _apply_scale(values, weight_scale).reshape(*weight_packed.shape[:-1], 2 * half_in)
 
 
