@@ -199,9 +199,12 @@ def pack_k3(w: jax.Array, scale_rule: str = "floor") -> tuple[jax.Array, jax.Arr
   return packed, _scale_bits(shared, nonfinite)
 
 
-def unpack_k3(weight_packed: jax.Array, weight_scale: jax.Array) -> jax.Array:
-  """(weight_packed uint8 [..., out, in/2], weight_scale uint8 [..., out, in/32]) -> float32
-  [..., out, in] = E2M1 value of each nibble (low nibble: even column) * 2^(scale - 127)."""
+def unpack_k3(weight_packed: jax.Array, weight_scale: jax.Array,
+              dtype=jnp.float32) -> jax.Array:
+  """(weight_packed uint8 [..., out, in/2], weight_scale uint8 [..., out, in/32]) -> [..., out,
+  in] in `dtype` = E2M1 value of each nibble (low nibble: even column) * 2^(scale - 127),
+  computed in float32 and rounded to `dtype`. A 16-bit dtype is built a byte at a time (its two
+  values' bits as one uint32, bitcast), so XLA writes it without interleaving the nibbles."""
   if weight_packed.dtype != jnp.uint8 or weight_scale.dtype != jnp.uint8:
     raise ValueError(f"weight_packed and weight_scale must be uint8, got "
                      f"{weight_packed.dtype} and {weight_scale.dtype}")
@@ -211,10 +214,20 @@ def unpack_k3(weight_packed: jax.Array, weight_scale: jax.Array) -> jax.Array:
     raise ValueError(f"weight_packed must be [..., out, in/2] and weight_scale [..., out, "
                      f"in/32] with in a multiple of {BLOCK}, got {weight_packed.shape} and "
                      f"{weight_scale.shape}")
+  table = jnp.asarray(E2M1_VALUES)
+  if jnp.dtype(dtype).itemsize == 2:
+    def half(codes):
+      values = table[codes.astype(jnp.int32)].reshape(*weight_scale.shape, BLOCK // 2)
+      bits = jax.lax.bitcast_convert_type(_apply_scale(values, weight_scale).astype(dtype),
+                                          jnp.uint16)
+      return bits.astype(jnp.uint32).reshape(weight_packed.shape)
+    pairs = half(weight_packed & 0xF) | (half(weight_packed >> 4) << 16)
+    return jax.lax.bitcast_convert_type(pairs, dtype).reshape(*weight_packed.shape[:-1],
+                                                              2 * half_in)
   codes = jnp.stack([weight_packed & 0xF, weight_packed >> 4], axis=-1)
-  values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
-  values = values.reshape(*weight_scale.shape, BLOCK)
-  return _apply_scale(values, weight_scale).reshape(*weight_packed.shape[:-1], 2 * half_in)
+  values = table[codes.astype(jnp.int32)].reshape(*weight_scale.shape, BLOCK)
+  return _apply_scale(values, weight_scale).reshape(*weight_packed.shape[:-1],
+                                                    2 * half_in).astype(dtype)
 
 
 def pack_experts(params: dict, buffers: dict, scale_rule: str = "floor") -> tuple[dict, dict]:

@@ -240,6 +240,19 @@ def test_unpack_k3_written_out():
   np.testing.assert_array_equal(out[1, 31], np.ldexp(6.0, -127))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_unpack_k3_16_bit_equals_the_float32_values_rounded(dtype):
+  """The 16-bit form (two values' bits per byte as one uint32) against unpack_k3's float32
+  values rounded to the dtype, bit for bit: every byte of codes with every scale byte (NaN for
+  255, overflow to inf, underflow to zero and subnormals included), batch dims, under jit."""
+  packed = np.tile(np.arange(256, dtype=np.uint8), (256, 1)).reshape(2, 128, 256)
+  scale = np.repeat(np.arange(256, dtype=np.uint8), 16).reshape(2, 128, 16)
+  want = np.asarray(mx.unpack_k3(jnp.asarray(packed), jnp.asarray(scale)).astype(dtype))
+  got = jax.jit(mx.unpack_k3, static_argnums=2)(jnp.asarray(packed), jnp.asarray(scale), dtype)
+  assert got.dtype == dtype and got.shape == (2, 128, 512)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+
+
 def test_pack_k3_round_trip_on_the_grid():
   """Any weight on the MXFP4 grid (E2M1 values times a power of two per block of 32 along
   `in`) survives pack -> unpack exactly; batch dims (experts) pass through."""

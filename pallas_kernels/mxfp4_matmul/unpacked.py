@@ -24,7 +24,7 @@ supports_ragged_dot = reference.supports_ragged_dot
 def _unpacked(w_packed: jax.Array, w_scale: jax.Array, dtype, *, transpose: bool) -> jax.Array:
   """W [..., N, K] (W^T [..., K, N] if `transpose`) in `dtype`, written to HBM: no fusion of
   the dequantization into the consumer."""
-  w = mx.unpack_k3(w_packed, w_scale).astype(dtype)
+  w = mx.unpack_k3(w_packed, w_scale, dtype)
   return jax.lax.optimization_barrier(jnp.swapaxes(w, -1, -2) if transpose else w)
 
 
