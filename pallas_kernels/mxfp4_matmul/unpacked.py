@@ -1,6 +1,7 @@
 """unpacked tier: the MXFP4 weight unpacked to x's dtype in HBM once per call, then the fastest
-bf16 product: `jnp.dot` (cuBLAS on GPU) dense, `pallas_kernels.ragged_dot` (its own default tier,
-the Mosaic GPU grouped GEMM on Hopper) grouped.
+bf16 product: `jnp.dot` (cuBLAS on GPU) dense; grouped, the bf16 grouped GEMM's Mosaic GPU kernel
+reading the weight as stored ([G, N, K], `transpose_rhs`) where it takes the call, else
+`pallas_kernels.ragged_dot` (its own default tier) of the transposed weight.
 
 The unpacked weight is materialised (`jax.lax.optimization_barrier`), so XLA cannot fold the
 dequantization into a GEMM fusion of its own choosing: at many rows the extra bytes (the bf16
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from k3jax import mx
 from pallas_kernels import ragged_dot as grouped_gemm
 from pallas_kernels.mxfp4_matmul import reference
+from pallas_kernels.ragged_dot import mosaic_gpu as gmm_kernel
 
 # Like the reference, the tier takes every valid call.
 supports_matmul = reference.supports_matmul
@@ -39,8 +41,17 @@ def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
 
 def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: jax.Array,
                *, preferred_element_type=None, interpret: bool = False) -> jax.Array:
-  """`pallas_kernels.ragged_dot(lhs [M, K], W^T [G, K, N], group_sizes)`, W [G, N, K]."""
+  """`jax.lax.ragged_dot(lhs [M, K], W^T [G, K, N], group_sizes)`, W [G, N, K]: the Mosaic GPU
+  gmm reading W as stored (`transpose_rhs`), else `pallas_kernels.ragged_dot` of W^T."""
+  group_sizes = group_sizes.astype(jnp.int32)
+  out_dtype = reference.out_dtype(lhs, preferred_element_type)
+  w_like = jax.ShapeDtypeStruct((*w_packed.shape[:-1], lhs.shape[1]), lhs.dtype)
+  if gmm_kernel.supports_gmm(lhs, w_like, group_sizes, transpose_rhs=True, out_dtype=out_dtype,
+                             interpret=interpret) is None:
+    w = _unpacked(w_packed, w_scale, lhs.dtype, transpose=False)
+    return gmm_kernel.gmm(lhs, w, group_sizes, transpose_rhs=True, out_dtype=out_dtype,
+                          interpret=interpret)
   w_t = _unpacked(w_packed, w_scale, lhs.dtype, transpose=True)
-  out = grouped_gemm.ragged_dot(lhs, w_t, group_sizes.astype(jnp.int32),
-                                preferred_element_type=jnp.float32, interpret=interpret)
-  return out.astype(reference.out_dtype(lhs, preferred_element_type))
+  out = grouped_gemm.ragged_dot(lhs, w_t, group_sizes, preferred_element_type=jnp.float32,
+                                interpret=interpret)
+  return out.astype(out_dtype)

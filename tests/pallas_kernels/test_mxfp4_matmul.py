@@ -29,6 +29,7 @@ from pallas_kernels.mxfp4_matmul import plan
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
 from pallas_kernels.mxfp4_matmul import xla
+from pallas_kernels.ragged_dot import mosaic_gpu as gmm_kernel
 
 # bf16 output: relative L2 ~3e-3 from the final rounding; a wrong nibble, scale or row is O(0.1).
 BF16_TOL = 1e-2
@@ -134,6 +135,23 @@ def test_unpacked_tier_equals_the_reference(dtype):
                                            preferred_element_type=jnp.float32)) < F32_TOL
   np.testing.assert_array_equal(np.asarray(got)[19:], 0.0)
   assert plan_ragged_dot(x, pg, sg, gs, impl="unpacked").impl == "unpacked"
+
+
+def test_unpacked_tier_grouped_through_the_gmm_kernel_in_its_interpreter():
+  """Grouped, the unpacked weight [G, N, K] goes to the bf16 gmm kernel as stored
+  (transpose_rhs): in the Mosaic GPU interpreter against the expert-loop oracle."""
+  pg, sg = weights(11, 2, 256, 128)
+  x = activations(12, 200, 128)
+  gs = jnp.asarray([120, 70], jnp.int32)
+  w_like = jax.ShapeDtypeStruct((2, 256, 128), jnp.bfloat16)
+  assert gmm_kernel.supports_gmm(x, w_like, gs, transpose_rhs=True, out_dtype=jnp.float32,
+                                 interpret=True) is None
+  got = mxfp4_ragged_dot(x, pg, sg, gs, impl="unpacked", interpret=True,
+                         preferred_element_type=jnp.float32)
+  assert rel_err(got, oracle(x, pg, sg, [120, 70])) < BF16_TOL
+  assert rel_err(got, reference.ragged_dot(x, pg, sg, gs,
+                                           preferred_element_type=jnp.float32)) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(got)[190:], 0.0)
 
 
 def test_kernel_bit_formulas_cover_every_code_and_scale():
