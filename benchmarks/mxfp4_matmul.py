@@ -6,8 +6,9 @@ M = 1, 16, 64, 4096 (`mxfp4_matmul`); and 8 experts grouped with equal groups of
 M = 16, 64, 4096 (2, 8 and 512 rows per expert, `mxfp4_ragged_dot`). bf16 x, bf16 output.
 Rows (implementation):
 - "mxfp4_mosaic_gpu": our kernel (the tier by name; a decline is recorded, not timed);
-- "mxfp4_mosaic_gpu_<variant>": our kernel with its tile config changed as `VARIANTS` says
-  (`--variants`; a variant whose config equals the default at a shape is not run there):
+- "mxfp4_mosaic_gpu_<variant>": our kernel with the unswapped tile config changed as `VARIANTS`
+  says (`--variants`; a variant whose config equals the default at a shape is not run there):
+  "unswapped" as it is (the default swaps the operands where x's rows fit one tile),
   "full_x" loads block_m rows of x per K step and pads x to block_m (the path before x_rows),
   "select" dequantizes by compare and select (`mosaic_gpu.Config.dequant`; the default
   "shift" was 1.2-1.5x faster on the H200, 2026-12-02), "swap" swaps the operands (the
@@ -58,7 +59,7 @@ from pallas_kernels.mxfp4_matmul import mosaic_gpu
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mxfp4_h200.json", "Records (JSON list).")
 _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel in the Mosaic "
                          "GPU interpreter (CPU), wall-clock time.")
-VARIANTS = {"full_x": dict(x_rows=None, swap=False), "select": dict(dequant="select"),
+VARIANTS = {"unswapped": {}, "full_x": dict(x_rows=None), "select": dict(dequant="select"),
             "swap": dict(swap=True)}
 _IMPLEMENTATIONS = flags.DEFINE_list(
     "implementations", [], "Rows to run (default: all); mxfp4_reference always runs, the "
@@ -119,8 +120,8 @@ def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
                     variants: list[str]) -> dict:
   """Row name -> our kernel's Config for each variant that differs from the default at this
   shape (none where the default config is a refusal)."""
-  cfg = mosaic_gpu.config(m, k, n, EXPERTS if grouped else 1, jnp.bfloat16,
-                          mosaic_gpu.num_sms(toy))
+  args = (m, k, n, EXPERTS if grouped else 1, jnp.bfloat16, mosaic_gpu.num_sms(toy))
+  default, cfg = mosaic_gpu.config(*args), mosaic_gpu.config(*args, swap=False)
   if isinstance(cfg, str):
     return {}
   out = {}
@@ -130,7 +131,7 @@ def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
       if m > mosaic_gpu.SMALL_M or cfg.block_n != 64:
         continue
       changed = dataclasses.replace(changed, x_rows=cfg.x_rows or -(-m // 8) * 8)
-    if changed != cfg:
+    if changed != default:
       out[f"mxfp4_mosaic_gpu_{v}"] = changed
   return out
 

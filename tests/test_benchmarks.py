@@ -83,16 +83,16 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
 def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
   out = tmp_path / "mxfp4.json"
   run_module("benchmarks.mxfp4_matmul", "--toy", f"--out={out}",
-             "--variants=full_x,select,swap")
+             "--variants=unswapped,full_x,select")
   recs = records(out)
   rows = {(r["op"], r["shape"]["M"], r["implementation"]) for r in recs}
   ours = ("mxfp4_mosaic_gpu", "mxfp4_mosaic_gpu_full_x", "mxfp4_mosaic_gpu_select")
-  swap = "mxfp4_mosaic_gpu_swap"      # M <= 64 only
+  unswapped = "mxfp4_mosaic_gpu_unswapped"   # the default swaps at M <= 16 only
+  mxfp4 = ours + ("mxfp4_reference", "mxfp4_xla", "mxfp4_unpacked")
   assert rows == {("mxfp4_matmul", m, impl) for m in (16, 72)
-                  for impl in ours + ("mxfp4_reference", "mxfp4_xla", "bf16_xla")} | {
-                      ("mxfp4_ragged_dot", 16, impl)
-                      for impl in ours + ("mxfp4_reference", "mxfp4_xla", "bf16_ragged_dot")} | {
-                          ("mxfp4_matmul", 16, swap), ("mxfp4_ragged_dot", 16, swap)}
+                  for impl in mxfp4 + ("bf16_xla",)} | {
+                      ("mxfp4_ragged_dot", 16, impl) for impl in mxfp4 + ("bf16_ragged_dot",)} | {
+                          ("mxfp4_matmul", 16, unswapped), ("mxfp4_ragged_dot", 16, unswapped)}
   for r in recs:
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and "jax" in r["versions"]
     assert r["timing"].startswith("wall")
@@ -100,18 +100,19 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
     bits = 16 if r["implementation"].startswith("bf16") else 4.25
     assert r["weight_bytes"] == g * n * k * bits / 8
   for r in recs:
-    if r["implementation"] in ours + (swap,):
+    impl, m = r["implementation"], r["shape"]["M"]
+    if impl in ours + (unswapped,):
       assert r["tier"] == "mosaic_gpu" and "Config(" in r["note"], r
-      assert r["speedup_vs_bf16"] > 0
-    if r["implementation"] == swap:
-      assert "swap=True" in r["note"] and r["rel_l2_vs_reference"] < 1e-2
-    if r["implementation"] == "mxfp4_mosaic_gpu_full_x":
-      assert "x_rows=None" in r["note"] and r["rel_l2_vs_reference"] < 1e-2
-    if r["implementation"] == "mxfp4_mosaic_gpu":
+      assert r["speedup_vs_bf16"] > 0 and r["rel_l2_vs_reference"] < 1e-2
+    if impl == "mxfp4_mosaic_gpu":
+      assert f"swap={m <= 16}" in r["note"], r
       assert "x_rows=" in r["note"] and "x_rows=None" not in r["note"], r
-      assert r["rel_l2_vs_reference"] < 1e-2
-    if r["implementation"] == "mxfp4_xla":
-      assert r["tier"] == "xla", r
+    if impl in (unswapped, "mxfp4_mosaic_gpu_full_x", "mxfp4_mosaic_gpu_select"):
+      assert "swap=False" in r["note"], r
+    if impl == "mxfp4_mosaic_gpu_full_x":
+      assert "x_rows=None" in r["note"], r
+    if impl in ("mxfp4_xla", "mxfp4_unpacked"):
+      assert r["tier"] == impl.removeprefix("mxfp4_") and r["rel_l2_vs_reference"] < 1e-2, r
 
 def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_path):
   out = tmp_path / "moe_decode.json"

@@ -19,11 +19,11 @@ weight unpacked to bf16 in HBM once per call, then cuBLAS / our bf16 grouped GEM
 `unpacked.py`), "mosaic_gpu"
 (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
 (`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
-(`default_impls`): a kernel joins it only after its tests pass on its hardware and where it is
-the faster tier. On Hopper that is mosaic_gpu for `mxfp4_ragged_dot` (GPU tests 21/21 on the
-H200, 2026-12-02; 2.2-3.7x the reference at 8 experts, M 16-4096) and the reference for
-`mxfp4_matmul` (the kernel is slower than unpack-then-cuBLAS at M = 1 and 4096); mosaic_tpu
-joins once its tests run on a TPU. A named kernel that declines a call
+(`default_impls`, by the rows of the call): a kernel joins it only after its tests pass on its
+hardware and where it is the faster tier. On Hopper (GPU tests on the H200, 2026-12-02/03):
+`mxfp4_matmul` runs the reference below 16 rows (XLA fuses the unpacking into its GEMV) and
+"unpacked" from 16; `mxfp4_ragged_dot` runs mosaic_gpu below 128 rows per expert and
+"unpacked" from 128. mosaic_tpu joins once its tests run on a TPU. A named kernel that declines a call
 (`supports_*` gives the reason) falls through to the reference (fail closed); `plan` /
 `plan_ragged_dot` return the choice and every reason. `interpret=True` runs the kernel tiers
 in their interpreters (CPU tests).
@@ -49,17 +49,34 @@ BLOCK = 32
 Plan = tiers.Plan
 
 
-def default_impls(grouped: bool) -> tuple[str, ...]:
-  """Tier order for impl=None: mosaic_gpu then the reference for the grouped op on Hopper
-  (BENCHMARKS.md "MXFP4 matmul"), the reference otherwise."""
-  if grouped and _tier("mosaic_gpu").is_hopper():
-    return ("mosaic_gpu", "reference")
-  return ("reference",)
+# On Hopper (BENCHMARKS.md "MXFP4 matmul", H200, 2026-12-03): unpacking to bf16 in HBM then
+# cuBLAS beats every other tier dense from 16 rows (0.90x / 0.81x bf16 at 4096 rows), where at
+# fewer rows XLA's GEMV with the unpacking fused is fastest; grouped, the on-chip kernel wins at
+# 2-8 rows per expert and unpacking then the bf16 gmm at 512 (1.5-1.6x the kernel).
+UNPACKED_MIN_ROWS = 16
+UNPACKED_MIN_ROWS_PER_GROUP = 128
 
 
-def _order(impl: str | None, grouped: bool) -> tuple[str, ...]:
+def hopper_impls(grouped: bool, m: int, groups: int = 1) -> tuple[str, ...]:
+  """Hopper's tier order at m rows (over `groups` experts): the unpacked tier from
+  UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert (grouped), else
+  mosaic_gpu (grouped) or the reference (dense)."""
+  if grouped:
+    many = m >= UNPACKED_MIN_ROWS_PER_GROUP * groups
+    return ("unpacked", "reference") if many else ("mosaic_gpu", "reference")
+  return ("unpacked", "reference") if m >= UNPACKED_MIN_ROWS else ("reference",)
+
+
+def default_impls(grouped: bool, m: int = 0, groups: int = 1) -> tuple[str, ...]:
+  """Tier order for impl=None: `hopper_impls` on Hopper, the reference elsewhere."""
+  if not _tier("mosaic_gpu").is_hopper():
+    return ("reference",)
+  return hopper_impls(grouped, m, groups)
+
+
+def _order(impl: str | None, grouped: bool, m: int, groups: int) -> tuple[str, ...]:
   if impl is None:
-    return default_impls(grouped)
+    return default_impls(grouped, m, groups)
   if impl not in IMPLS:
     raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
   return (impl,) if impl == "reference" else (impl, "reference")
@@ -112,7 +129,9 @@ def _plan(x, w_packed, w_scale, group_sizes, preferred_element_type, impl, inter
                                     preferred_element_type=preferred_element_type,
                                     interpret=interpret)
 
-  return tiers.first_supported(_order(impl, group_sizes is not None), reason_of, interpret)
+  groups = 1 if group_sizes is None else w_packed.shape[0]
+  return tiers.first_supported(_order(impl, group_sizes is not None, x.shape[0], groups),
+                               reason_of, interpret)
 
 
 def plan(x, w_packed, w_scale, *, preferred_element_type=None, impl: str | None = None,

@@ -128,9 +128,9 @@ class Config:
   swap: bool = False
 
 
-# config() sets swap at decode shapes once the swapped form's GPU tests have passed on a Hopper
-# GPU (tests/pallas_kernels/test_mxfp4_matmul_gpu.py); until then only an explicit config runs it.
-SWAP_IS_DEFAULT = False
+# config() swaps the operands when x has fewer rows than a tile (its GPU tests pass on the H200,
+# 2026-12-02; 1.1-1.2x the unswapped kernel at 1-16 rows, BENCHMARKS.md "MXFP4 matmul").
+SWAP_IS_DEFAULT = True
 
 
 def is_hopper() -> bool:
@@ -161,7 +161,8 @@ def smem_bytes(cfg: Config, out_dtype) -> int:
   return cfg.stages * stage + dequantized + epilogue + _SMEM_RESERVE
 
 
-def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int) -> Config | str:
+def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int,
+           swap: bool = SWAP_IS_DEFAULT) -> Config | str:
   """The tile config for x [m, k] and `groups` weights [n, k] on `sms` SMs, or why none fits.
 
   m <= 64 (decode): 64-row tiles, 64 weight rows per warpgroup, K split so that the tiles
@@ -169,7 +170,7 @@ def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int) -> Config |
   weight bytes in flight bound a memory-bound product). Larger m: 256 x 2*64 tiles for one
   group (a dequantized weight tile serves 256 rows), 128 x 2*128 for several (group-aligned
   tiles waste about half a tile per group), 3 stages. x_rows = m rounded up to 8 when that is
-  below block_m (each K step loads those rows only).
+  below block_m (each K step loads those rows only); then, with `swap`, the operands swapped.
   """
   if m == 0:
     return "M=0: no rows"
@@ -185,7 +186,7 @@ def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int) -> Config |
   if n % (2 * cfg.block_n):
     return f"N={n} is not a multiple of the CTA tile 2 * block_n = {2 * cfg.block_n}"
   if _round8(m) < cfg.block_m:
-    cfg = dataclasses.replace(cfg, x_rows=_round8(m), swap=SWAP_IS_DEFAULT and m <= SMALL_M)
+    cfg = dataclasses.replace(cfg, x_rows=_round8(m), swap=swap and m <= SMALL_M)
   if m <= SMALL_M:
     row_tiles = min(groups, m) if groups > 1 else 1
     units = row_tiles * n // (2 * cfg.block_n)

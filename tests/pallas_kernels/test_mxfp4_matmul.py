@@ -274,11 +274,27 @@ def test_gradient_with_respect_to_x():
   np.testing.assert_array_equal(np.asarray(d_x)[sum(sizes):], 0.0)
 
 
+def test_hopper_defaults_follow_the_rows(monkeypatch):
+  """On Hopper the default tier follows the rows: dense, the reference below 16 rows and the
+  unpacked tier from 16; grouped, the kernel below 128 rows per expert, unpacked from 128."""
+  monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
+  monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
+  assert default_impls(grouped=False, m=8) == ("reference",)
+  assert default_impls(grouped=False, m=16) == ("unpacked", "reference")
+  assert default_impls(grouped=True, m=8 * 127, groups=8) == ("mosaic_gpu", "reference")
+  assert default_impls(grouped=True, m=8 * 128, groups=8) == ("unpacked", "reference")
+  x = activations(0, 1024, 512)
+  packed, scale = weights(0, 8, 128, 512)
+  gs = jax.ShapeDtypeStruct((8,), jnp.int32)
+  assert plan_ragged_dot(x, packed, scale, gs).impl == "unpacked"
+  assert plan_ragged_dot(x[:64], packed, scale, gs).impl == "mosaic_gpu"
+
+
 def test_plan_defaults_and_falls_through_with_reasons():
   x = activations(0, 16, 512)
   packed, scale = weights(0, 128, 512)
-  assert default_impls(grouped=False) == ("reference",)
-  assert default_impls(grouped=True) == ("reference",)  # not Hopper here
+  assert default_impls(grouped=False, m=4096) == ("reference",)  # not Hopper here
+  assert default_impls(grouped=True, m=16, groups=8) == ("reference",)
   p = plan(x, packed, scale)
   assert p.impl == "reference" and not p.declined
   assert plan(x, packed, scale, impl="mosaic_gpu", interpret=True).impl == "mosaic_gpu"
@@ -382,8 +398,8 @@ def test_select_dequant_and_full_x_lower_for_hopper(monkeypatch, m):
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
   k, n = 3584, 3072
-  cfg = dataclasses.replace(mosaic_gpu.config(m, k, n, 1, jnp.bfloat16, 132), dequant="select",
-                            x_rows=None)
+  cfg = dataclasses.replace(mosaic_gpu.config(m, k, n, 1, jnp.bfloat16, 132, swap=False),
+                            dequant="select", x_rows=None)
   s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
   fn = lambda x, p, sc: mosaic_gpu.matmul(x, p, sc, config=cfg)
   args = (s(m, k), s(n, k // 2, dtype=jnp.uint8), s(n, k // 32, dtype=jnp.uint8))
