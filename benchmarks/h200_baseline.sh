@@ -65,6 +65,10 @@
 #                                                          # per model.remat choice (REMATS, default
 #                                                          # all five), $OUT/train_remat_X.json
 #
+# Records name the measured commit from $K3JAX_COMMIT, else the tree's git HEAD: where the tree
+# travels with an older .git, start the command with K3JAX_COMMIT=$(git rev-parse --short HEAD)
+# as expanded where the tree was committed.
+#
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
 # TRITON_CACHE_DIR (here .triton_cache in the repo); each run packs them into
 # $OUT/triton_autotune.tgz. Unpack that into .triton_cache (git-ignored through

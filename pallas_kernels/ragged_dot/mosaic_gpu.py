@@ -25,7 +25,8 @@ Two kernels per product, picked by the config's `kernel` field:
          tile mostly of padding rows; row tiles of block_m rows (8-64) start at each group's
          first row rounded down to 8 as "ws"'s; one pipeline over all of a CTA's tiles; the
          tile is transposed back into SMEM (`store_transposed`) and stored by the same ladder.
-         Not a default until its tests pass on the GPU (`SWAPPED_IS_DEFAULT`).
+         Not a default (`SWAPPED_IS_DEFAULT`): its GPU tests pass, but it is faster than
+         "ws" / XLA only at k3_small's B 1 (BENCHMARKS.md "Decode").
 
 Shapes: gmm lhs [M, K], rhs [G, K, N] (or [G, N, K] with transpose_rhs) -> [M, N];
 tgmm lhs [M, K], rhs [M, N] -> [G, K, N] with out[g] = lhs_g^T rhs_g.
@@ -58,8 +59,9 @@ _MEMORY_REGISTERS = 40         # registers of the TMA warpgroup (as hopper_matmu
 _COMPUTE_REGISTERS = 232       # of each of the two compute warpgroups: (512 - 40) / 2, to 8
 _INTERPRET_SMS = 2             # simulated SMs in interpret mode (several tiles per SM)
 _WGMMA_ROWS = 64               # the M side of one wgmma: weight rows per warpgroup ("swapped")
-# gmm_config picks "swapped" for few rows per group once its GPU tests have passed on a Hopper
-# GPU (tests/pallas_kernels/test_ragged_dot_gpu.py); until then only an explicit config runs it.
+# gmm_config would pick "swapped" for few rows per group; its GPU tests pass on the H200
+# (2026-12-02) but it ties "ws" at B 16 and loses to XLA at K3's B 1 (BENCHMARKS.md "Decode"),
+# so only an explicit config runs it.
 SWAPPED_IS_DEFAULT = False
 
 
