@@ -34,7 +34,7 @@ $(LIBTPU_DIR)/.installed: $(VENV)/.installed
 	touch $@
 
 test: setup tpu-setup
-	$(PY) -m pytest -q -n 2 tests --ignore=tests/tpu $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal tests --ignore=tests/tpu $(ARGS)
 	$(MAKE) --no-print-directory test-tpu
 
 test-tpu: tpu-setup

@@ -24,10 +24,22 @@ SMALL = {"model.num_layers": 4, "model.full_attn_layers": (2, 4), "model.attn_re
          "train.checkpoint_every": 2, "train.steps": 6, "data.default_num_docs": 400}
 
 
+_CACHE = {"dir": ""}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_cache(jax_cache_dir):
+  """The runs of this file share a compilation cache (each compiles the same small step)."""
+  _CACHE["dir"] = jax_cache_dir
+
+
 def _train_cmd(workdir, overrides=None, *extra):
+  """The run's command; a --jax_cache_dir in `extra` replaces the shared cache."""
   args = {**SMALL, **(overrides or {})}
+  cache = [] if any(a.startswith("--jax_cache_dir") for a in extra) else [
+      f"--jax_cache_dir={_CACHE['dir']}"]
   return ([sys.executable, "-m", "launch.train", "--config=experiments/configs/k3_tiny.py",
-           f"--workdir={workdir}", "--jax_cache_dir="]   # no compilation cache unless asked
+           f"--workdir={workdir}"] + cache
           + [f"--config.{k}={v}" for k, v in args.items()] + list(extra))
 
 

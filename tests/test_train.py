@@ -61,10 +61,11 @@ def test_loss_falls_and_outputs_are_written(uninterrupted):
   assert config.from_json(open(os.path.join(workdir, "config.json")).read()).train.steps == 16
 
 
-def test_kill_9_then_rerun_resumes_with_identical_losses(uninterrupted, tmp_path):
+def test_kill_9_then_rerun_resumes_with_identical_losses(uninterrupted, tmp_path, jax_cache_dir):
   workdir = str(tmp_path / "killed")
   cmd = [sys.executable, "-m", "launch.train", "--config=experiments/configs/k3_tiny.py",
-         f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+         f"--workdir={workdir}", f"--jax_cache_dir={jax_cache_dir}"] + [
+             f"--config.{k}={v}" for k, v in OVERRIDES.items()]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   deadline = time.time() + 400
