@@ -241,8 +241,8 @@ def earlier(records: list[dict]) -> list[dict]:
 def _child_env(devices: int, toy: bool) -> dict[str, str]:
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   if toy:
-    env.update(JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
   else:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(devices))
   return env

@@ -21,6 +21,7 @@ import pytest
 
 from k3jax import config, data, train
 from launch import cli
+from mesh_testing import cpu_env
 
 STEPS = 8
 # One MLA layer and AdamW: the step compiles in seconds (the mechanics are under test here).
@@ -40,9 +41,8 @@ def _port() -> int:
 def start(tmp_path):
   """start(workdir) -> the two processes of one run (a fresh coordinator port per run); any
   still running at the end of the test are killed."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env = cpu_env(2, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   started = []
 
   def start_run(workdir) -> list[subprocess.Popen]:

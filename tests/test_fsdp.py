@@ -7,7 +7,6 @@ and reports losses, gradient norms, parameters, per-device bytes, shardings and 
 of the compiled step; and the collectives of per-head Muon with heads and experts split.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from k3jax import config, sharding
+from mesh_testing import cpu_env
 
 _SCRIPT = r"""
 import dataclasses, json, re
@@ -173,10 +173,7 @@ def test_fsdp_matches_single_device_and_shards_state():
   """Losses, gradient norms and parameters equal the 1-device run's; state is split ~1/data per
   device, optimizer leaves like their parameters; the scanned layers are gathered per unit;
   per-head Muon needs no collective with heads or experts split."""
-  # LLVM's optimisation level only changes the compile time here (the CPU build of three steps).
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-                       " --xla_llvm_disable_expensive_passes=true")
+  env = cpu_env(8)
   res = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
                        timeout=900, env=env)
   assert res.returncode == 0, res.stderr[-3000:]

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from k3jax import muon
+from mesh_testing import cpu_env
 
 D_MODEL, H, D, E, L, M, V = 16, 4, 8, 3, 12, 6, 20
 QR, KR, DN, DR, DV, I, W = 12, 10, 4, 2, 4, 24, 4
@@ -469,8 +470,7 @@ _SHARDED = textwrap.dedent("""
 
 def test_sharded_heads_need_no_collectives():
   """4 host devices: heads sharded -> per-head NS has no collectives."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  env = cpu_env(4)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   r = subprocess.run([sys.executable, "-c", _SHARDED], env=env, cwd=root,

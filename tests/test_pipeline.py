@@ -1,6 +1,5 @@
 """The 1F1B pipeline (k3jax.pipeline) against the single-device step, and its schedule."""
 import json
-import os
 import subprocess
 import sys
 
@@ -8,6 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax import config, pipeline
+from mesh_testing import cpu_env
 
 TINY = "experiments/configs/k3_tiny.py"
 # Layer 0 KDA + MoE (stage 0), layers 1-4 MLA + MoE scanned as 4 units of 1 (two per stage),
@@ -73,9 +73,7 @@ print("RESULT" + json.dumps({**res, "metrics": metrics}))
 
 
 def _start(out: str, overrides: dict, devices: int) -> subprocess.Popen:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                       "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes")
+  env = cpu_env(devices)
   return subprocess.Popen([sys.executable, "-c", _SCRIPT, out, json.dumps(overrides), str(STEPS)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

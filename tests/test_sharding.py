@@ -1,12 +1,12 @@
 """Sharded training on a 4-device CPU mesh (data x expert) equals the single-device step."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from k3jax import config, sharding
+from mesh_testing import cpu_env
 
 _SCRIPT = r"""
 import json, sys
@@ -48,8 +48,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_data_expert_mesh_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  env = cpu_env(4)
   res = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
                        timeout=600, env=env)
   assert res.returncode == 0, res.stderr[-3000:]
