@@ -355,7 +355,8 @@ def mxfp4_matmul(root: pathlib.Path) -> str:
     cells = [f"{at[row, c]['median_ms'] * 1e3:.1f}" if (row, c) in at else "" for c in cols]
     shape, grouped = next((r["shape"], r["op"] == "mxfp4_ragged_dot") for r in keep
                           if row_of(r) == row)
-    tier = api.hopper_impls(grouped, shape["M"], shape["G"])[0]
+    tier = api.hopper_impls(grouped, shape["M"], shape["G"],
+                            shape["G"] * shape["N"] * shape["K"])[0]
     chosen, bf16 = at.get((row, tier)), at.get((row, "bf16"))
     cells.append(f"{tier}: {bf16['median_ms'] / chosen['median_ms']:.2f}x"
                  if chosen and bf16 else tier)

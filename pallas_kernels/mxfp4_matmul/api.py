@@ -35,6 +35,7 @@ arrays and get no gradient (QAT trains the float weights through `k3jax.mx.fake_
 import functools
 import importlib
 import logging
+import math
 import types
 
 import jax
@@ -52,31 +53,40 @@ Plan = tiers.Plan
 # On Hopper (BENCHMARKS.md "MXFP4 matmul", H200, 2026-12-03): unpacking to bf16 in HBM then
 # cuBLAS beats every other tier dense from 16 rows (0.90x / 0.81x bf16 at 4096 rows), where at
 # fewer rows XLA's GEMV with the unpacking fused is fastest; grouped, the on-chip kernel wins at
-# 2-8 rows per expert and unpacking then the bf16 gmm at 512 (1.5-1.6x the kernel).
+# 2-8 rows per expert and unpacking then the bf16 gmm at 512 (1.5-1.6x the kernel): straight
+# lines through the two measured points cross near 130 rows per expert. The unpacked weight is
+# materialised, so weights whose bf16 copy exceeds UNPACKED_MAX_BYTES stay on the kernel (all
+# 896 of K3's experts of one matrix: 19.7 GB).
 UNPACKED_MIN_ROWS = 16
 UNPACKED_MIN_ROWS_PER_GROUP = 128
+UNPACKED_MAX_BYTES = 4 << 30
 
 
-def hopper_impls(grouped: bool, m: int, groups: int = 1) -> tuple[str, ...]:
-  """Hopper's tier order at m rows (over `groups` experts): the unpacked tier from
-  UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert (grouped), else
-  mosaic_gpu (grouped) or the reference (dense)."""
+def hopper_impls(grouped: bool, m: int, groups: int = 1,
+                 weight_elements: int = 0) -> tuple[str, ...]:
+  """Hopper's tier order at m rows over `groups` weights of `weight_elements` elements in all:
+  the unpacked tier from UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert
+  (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES, else mosaic_gpu (grouped) or the
+  reference (dense)."""
+  fits = 2 * weight_elements <= UNPACKED_MAX_BYTES
   if grouped:
-    many = m >= UNPACKED_MIN_ROWS_PER_GROUP * groups
+    many = fits and m >= UNPACKED_MIN_ROWS_PER_GROUP * groups
     return ("unpacked", "reference") if many else ("mosaic_gpu", "reference")
-  return ("unpacked", "reference") if m >= UNPACKED_MIN_ROWS else ("reference",)
+  return ("unpacked", "reference") if fits and m >= UNPACKED_MIN_ROWS else ("reference",)
 
 
-def default_impls(grouped: bool, m: int = 0, groups: int = 1) -> tuple[str, ...]:
+def default_impls(grouped: bool, m: int = 0, groups: int = 1,
+                  weight_elements: int = 0) -> tuple[str, ...]:
   """Tier order for impl=None: `hopper_impls` on Hopper, the reference elsewhere."""
   if not _tier("mosaic_gpu").is_hopper():
     return ("reference",)
-  return hopper_impls(grouped, m, groups)
+  return hopper_impls(grouped, m, groups, weight_elements)
 
 
-def _order(impl: str | None, grouped: bool, m: int, groups: int) -> tuple[str, ...]:
+def _order(impl: str | None, grouped: bool, m: int, groups: int,
+           weight_elements: int) -> tuple[str, ...]:
   if impl is None:
-    return default_impls(grouped, m, groups)
+    return default_impls(grouped, m, groups, weight_elements)
   if impl not in IMPLS:
     raise ValueError(f"impl must be None or one of {IMPLS}, got {impl!r}")
   return (impl,) if impl == "reference" else (impl, "reference")
@@ -130,8 +140,8 @@ def _plan(x, w_packed, w_scale, group_sizes, preferred_element_type, impl, inter
                                     interpret=interpret)
 
   groups = 1 if group_sizes is None else w_packed.shape[0]
-  return tiers.first_supported(_order(impl, group_sizes is not None, x.shape[0], groups),
-                               reason_of, interpret)
+  order = _order(impl, group_sizes is not None, x.shape[0], groups, 2 * math.prod(w_packed.shape))
+  return tiers.first_supported(order, reason_of, interpret)
 
 
 def plan(x, w_packed, w_scale, *, preferred_element_type=None, impl: str | None = None,

@@ -276,13 +276,19 @@ def test_gradient_with_respect_to_x():
 
 def test_hopper_defaults_follow_the_rows(monkeypatch):
   """On Hopper the default tier follows the rows: dense, the reference below 16 rows and the
-  unpacked tier from 16; grouped, the kernel below 128 rows per expert, unpacked from 128."""
+  unpacked tier from 16; grouped, the kernel below 128 rows per expert, unpacked from 128;
+  never unpacked where the bf16 weights would exceed UNPACKED_MAX_BYTES."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
   assert default_impls(grouped=False, m=8) == ("reference",)
   assert default_impls(grouped=False, m=16) == ("unpacked", "reference")
   assert default_impls(grouped=True, m=8 * 127, groups=8) == ("mosaic_gpu", "reference")
   assert default_impls(grouped=True, m=8 * 128, groups=8) == ("unpacked", "reference")
+  # A bf16 copy over UNPACKED_MAX_BYTES (K3's 896 experts of one matrix) stays on the kernel.
+  k3_experts = 896 * 3072 * 3584
+  assert default_impls(grouped=True, m=896 * 512, groups=896, weight_elements=k3_experts) == (
+      "mosaic_gpu", "reference")
+  assert default_impls(grouped=False, m=64, weight_elements=3 << 30) == ("reference",)
   x = activations(0, 1024, 512)
   packed, scale = weights(0, 8, 128, 512)
   gs = jax.ShapeDtypeStruct((8,), jnp.int32)
