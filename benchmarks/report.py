@@ -348,14 +348,15 @@ def mxfp4_matmul(root: pathlib.Path) -> str:
   keep = [r for r in recs if column(r) in cols]
   row_of = lambda r: f"`{r['op']}` {_shape(r['shape'])}"
   dense_first = sorted(keep, key=lambda r: r["op"] != "mxfp4_matmul")
-  rows = list(dict.fromkeys(row_of(r) for r in dense_first))
+  first = {}                       # row -> its first record (op and shape)
+  for r in dense_first:
+    first.setdefault(row_of(r), r)
   at = {(row_of(r), column(r)): r for r in keep}
   body = []
-  for row in rows:
+  for row, rec in first.items():
     cells = [f"{at[row, c]['median_ms'] * 1e3:.1f}" if (row, c) in at else "" for c in cols]
-    shape, grouped = next((r["shape"], r["op"] == "mxfp4_ragged_dot") for r in keep
-                          if row_of(r) == row)
-    tier = api.hopper_impls(grouped, shape["M"], shape["G"],
+    shape = rec["shape"]
+    tier = api.hopper_impls(rec["op"] == "mxfp4_ragged_dot", shape["M"], shape["G"],
                             shape["G"] * shape["N"] * shape["K"])[0]
     chosen, bf16 = at.get((row, tier)), at.get((row, "bf16"))
     cells.append(f"{tier}: {bf16['median_ms'] / chosen['median_ms']:.2f}x"

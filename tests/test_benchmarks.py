@@ -162,7 +162,8 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
              "--config.model.num_layers=4", "--config.model.full_attn_layers=(4,)",
-             "--config.train.global_batch_size=2", "--config.train.seq_len=64", f"--out={out}", f"--profile_dir={tmp_path}/trace",
+             "--config.train.global_batch_size=2", "--config.train.seq_len=64", f"--out={out}",
+             f"--profile_dir={tmp_path}/trace",
              f"--compile_trace_dir={tmp_path}/compile", f"--jax_cache_dir={tmp_path}/cache")
   assert list((tmp_path / "trace").rglob("*.trace.json.gz"))
   (rec,) = records(out)
