@@ -35,6 +35,8 @@
 #   bash benchmarks/h200_baseline.sh mxfp4                 # <= 6 min: MXFP4 matmul GPU tests, ours (and
 #                                                          # its MXFP4_VARIANTS) vs bf16 XLA and the bf16
 #                                                          # grouped GEMM (K3 shapes, device time)
+#   bash benchmarks/h200_baseline.sh mxfp4_triton          # <= 7 min: the triton tier's GPU tests, it and
+#                                                          # its candidate configs at decoding rows
 #   bash benchmarks/h200_baseline.sh mxfp4_xla             # <= 5 min: the MXFP4 xla tier vs bf16
 #                                                          # XLA, default flags and XLA's fused
 #                                                          # dequantization ($OUT/mxfp4_xla_*.json)
@@ -264,6 +266,18 @@ PY
         2>&1 | tee $OUT/mxfp4.log \
         | grep -E "device|ms|mxfp4_mosaic_gpu|declined"
       ;;
+    mxfp4_triton)
+      # The MXFP4 triton tier's GPU tests, then it and its candidate configs against our kernel,
+      # the reference and bf16 at the decoding row counts (dense M 1 / 16, grouped M 16 / 64).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MXFP4_TEST_S:-150} python3 -m pytest -q \
+        -p no:cacheprovider --durations=5 -k triton tests/pallas_kernels/test_mxfp4_matmul_gpu.py \
+        2>&1 | tee $OUT/mxfp4_triton_tests.log | tail -15
+      timeout ${MXFP4_BENCH_S:-220} python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json \
+        --variants= --dense_m=1,16 --grouped_m=16,64 \
+        --implementations=mxfp4_triton,mxfp4_mosaic_gpu,bf16_xla,bf16_ragged_dot,mxfp4_unpacked \
+        --triton_configs=${TRITON_CONFIGS:-shift,n32,n64,k256_s6,k1024_s3,w8,swap64} 2>&1 \
+        | tee $OUT/mxfp4_triton.log | grep -E "device|ms|triton|declined|Error"
+      ;;
     mxfp4_xla)
       # The MXFP4 xla tier (the weight in XLA's float4 / E8M0 types) against bf16 XLA, with the
       # default flags and with XLA's Triton GEMM fusion of a per-block dequantization.
@@ -365,7 +379,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, gpu_tests, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_triton, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac

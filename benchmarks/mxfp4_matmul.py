@@ -14,6 +14,11 @@ Rows (implementation):
   "shift" was 1.2-1.5x faster on the H200, 2026-12-02), "swap" swaps the operands (the
   dequantized tile as wgmma's register operand, x's rows as its N side; `Config.swap`, at
   M <= 64 only, where all of x fits one tile);
+- "mxfp4_triton": the Triton tier (`triton.py`, a Pallas kernel on the Triton backend for few
+  rows) by name, its default config (a decline is recorded, not timed);
+- "mxfp4_triton_<name>": the Triton tier with the candidate config `triton.CONFIGS[name]`
+  (`--triton_configs`, block_k shrunk to divide K by `triton.fit`; a config the tier declines at
+  a shape is recorded, not timed);
 - "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
 - "mxfp4_xla": the xla tier, the weight in XLA's float4 / E8M0 types (a dequantization XLA's
   GEMM fusion may take: run with XLA_FLAGS to try it);
@@ -35,6 +40,7 @@ weight, packed + scales; bf16: 16) in TB/s and its fraction of the copy rate
 (dense) or the bf16 grouped GEMM (grouped).
 
   python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json [--variants=select]
+      [--triton_configs=shift,n32]
 `--toy` runs small shapes once each with our kernels in the Mosaic GPU interpreter (CPU tests):
 there is no device trace on CPU, so `median_ms` is the wall-clock ms of one call (`timing`
 says which).
@@ -55,6 +61,7 @@ from k3jax import mx
 from pallas_kernels import mxfp4_matmul as op
 from pallas_kernels import ragged_dot as grouped_gemm
 from pallas_kernels.mxfp4_matmul import mosaic_gpu
+from pallas_kernels.mxfp4_matmul import triton
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mxfp4_h200.json", "Records (JSON list).")
 _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel in the Mosaic "
@@ -66,11 +73,18 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
     "others' error is taken against it.")
 _VARIANTS = flags.DEFINE_list("variants", ["full_x", "select"], f"Kernel config variants to time "
                               f"beside the default, of {list(VARIANTS)}.")
+_TRITON_CONFIGS = flags.DEFINE_list(
+    "triton_configs", [], f"Candidate configs of the Triton tier to time beside its default, of "
+    f"{list(triton.CONFIGS)} (rows mxfp4_triton_<name>, run whatever --implementations says).")
 K3_KN = ((3584, 3072), (3072, 3584))
 DENSE_M = (1, 16, 64, 4096)
 GROUPED_M = (16, 64, 4096)
 EXPERTS = 8
 TOY_KN = ((512, 128),)
+_DENSE_M = flags.DEFINE_list("dense_m", [str(m) for m in DENSE_M],
+                             "Rows of the dense calls (K3 shapes; not with --toy).")
+_GROUPED_M = flags.DEFINE_list("grouped_m", [str(m) for m in GROUPED_M],
+                               "Rows of the grouped calls (K3 shapes; not with --toy).")
 TOY_DENSE_M = (16, 72)
 TOY_GROUPED_M = (16,)
 L2_BYTES = 50 * 2 ** 20          # H200
@@ -136,9 +150,15 @@ def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
   return out
 
 
-def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
+def triton_configs(k: int, names: list[str]) -> dict:
+  """Row name -> the Triton tier's candidate Config for each name of `--triton_configs`, block_k
+  fitted to K."""
+  return {f"mxfp4_triton_{name}": triton.fit(triton.CONFIGS[name], k) for name in names}
+
+
+def implementations(grouped: bool, toy: bool, configs: dict, tconfigs: dict) -> dict:
   """name -> (fn(x, *weights), which weights: "mxfp4" (packed, scale) or "bf16"); configs:
-  `variant_configs`, run through the tier module directly."""
+  `variant_configs`, tconfigs: `triton_configs`, run through the tier modules directly."""
   if grouped:
     return {
         "mxfp4_mosaic_gpu": (lambda x, p, s: op.mxfp4_ragged_dot(
@@ -147,6 +167,12 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
             lambda x, p, s, cfg: mosaic_gpu.ragged_dot(x, p, s, sizes(x), interpret=toy,
                                                        config=cfg), cfg=cfg), "mxfp4")
            for name, cfg in configs.items()},
+        "mxfp4_triton": (lambda x, p, s: op.mxfp4_ragged_dot(
+            x, p, s, sizes(x), impl="triton", interpret=toy), "mxfp4"),
+        **{name: (functools.partial(
+            lambda x, p, s, cfg: triton.ragged_dot(x, p, s, sizes(x), interpret=toy,
+                                                   config=cfg), cfg=cfg), "mxfp4")
+           for name, cfg in tconfigs.items()},
         "mxfp4_reference": (lambda x, p, s: op.mxfp4_ragged_dot(
             x, p, s, sizes(x), impl="reference"), "mxfp4"),
         "mxfp4_xla": (lambda x, p, s: op.mxfp4_ragged_dot(x, p, s, sizes(x), impl="xla"),
@@ -161,6 +187,11 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
       **{name: (functools.partial(
           lambda x, p, s, cfg: mosaic_gpu.matmul(x, p, s, interpret=toy, config=cfg),
           cfg=cfg), "mxfp4") for name, cfg in configs.items()},
+      "mxfp4_triton": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="triton",
+                                                       interpret=toy), "mxfp4"),
+      **{name: (functools.partial(
+          lambda x, p, s, cfg: triton.matmul(x, p, s, interpret=toy, config=cfg),
+          cfg=cfg), "mxfp4") for name, cfg in tconfigs.items()},
       "mxfp4_reference": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="reference"), "mxfp4"),
       "mxfp4_xla": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="xla"), "mxfp4"),
       "mxfp4_unpacked": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="unpacked"), "mxfp4"),
@@ -169,10 +200,17 @@ def implementations(grouped: bool, toy: bool, configs: dict) -> dict:
 
 
 def tier(name: str, x, packed, scale, grouped: bool, toy: bool,
-         configs: dict) -> tuple[str, str]:
-  """(tier that runs, its config or refusals) for a row."""
+         configs: dict, tconfigs: dict) -> tuple[str, str]:
+  """(tier that runs, its config or refusals) for a row; a Triton candidate config the tier
+  declines gives ("declined", the reason)."""
   if name in configs:
     return "mosaic_gpu", str(configs[name])
+  if name in tconfigs:
+    gs = jax.ShapeDtypeStruct((EXPERTS,), jnp.int32)
+    reason = (triton.supports_ragged_dot(x, packed, scale, gs, interpret=toy,
+                                         config=tconfigs[name]) if grouped else
+              triton.supports_matmul(x, packed, scale, interpret=toy, config=tconfigs[name]))
+    return ("declined", reason) if reason else ("triton", str(tconfigs[name]))
   if name == "bf16_ragged_dot":
     w_t = jax.ShapeDtypeStruct((EXPERTS, x.shape[1], packed.shape[1]), jnp.bfloat16)
     gs = jax.ShapeDtypeStruct((EXPERTS,), jnp.int32)
@@ -187,15 +225,17 @@ def tier(name: str, x, packed, scale, grouped: bool, toy: bool,
     p = op.plan(x, packed, scale, impl=impl, interpret=toy)
   if p.impl != impl:
     return p.impl, "; ".join(reason for _, reason in p.declined)
+  (m, k), n = x.shape, packed.shape[-2]
+  if impl == "triton":
+    return p.impl, str(triton.default_config(m, k, n, grouped))
   if impl != "mosaic_gpu":
     return p.impl, ""
-  (m, k), n = x.shape, packed.shape[-2]
   return p.impl, str(mosaic_gpu.config(m, k, n, EXPERTS if grouped else 1, jnp.bfloat16,
                                        mosaic_gpu.num_sms(toy)))
 
 
 def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
-              copy: float | None, variants: list[str]) -> list[dict]:
+              copy: float | None, variants: list[str], tnames: list[str]) -> list[dict]:
   g = EXPERTS if grouped else 1
   x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
   copies = weight_copies(g, n, k, toy)
@@ -209,14 +249,17 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               **{"pass": "fwd"})
   configs = variant_configs(m, k, n, grouped, toy, variants)
+  tconfigs = triton_configs(k, tnames)
   outputs, records = {}, []
-  for name, (fn, kind) in implementations(grouped, toy, configs).items():
-    if _IMPLEMENTATIONS.value and name not in {*_IMPLEMENTATIONS.value, "mxfp4_reference"}:
+  for name, (fn, kind) in implementations(grouped, toy, configs, tconfigs).items():
+    if _IMPLEMENTATIONS.value and name not in {*_IMPLEMENTATIONS.value, *tconfigs,
+                                               "mxfp4_reference"}:
       continue
-    ran, note = tier(name, x, *sets["mxfp4"][0], grouped, toy, configs)
+    ran, note = tier(name, x, *sets["mxfp4"][0], grouped, toy, configs, tconfigs)
     rec = dict(base, implementation=name, tier=ran, note=note)
     records.append(rec)
-    if name == "mxfp4_mosaic_gpu" and ran != "mosaic_gpu":
+    if ((name == "mxfp4_mosaic_gpu" and ran != "mosaic_gpu")
+        or (name.startswith("mxfp4_triton") and ran != "triton")):
       print(f"{base['op']} {shape} {name}: declined ({note})", flush=True)
       continue
     jitted = jax.jit(fn)
@@ -259,15 +302,20 @@ def main(argv):
   toy = _TOY.value
   if unknown := set(_VARIANTS.value) - set(VARIANTS):
     raise app.UsageError(f"--variants: unknown {sorted(unknown)}, choose from {list(VARIANTS)}")
+  if unknown := set(_TRITON_CONFIGS.value) - set(triton.CONFIGS):
+    raise app.UsageError(f"--triton_configs: unknown {sorted(unknown)}, choose from "
+                         f"{list(triton.CONFIGS)}")
   peak, peak_source = flops.peak_flops_per_device()
   copy = None if toy else common.copy_tbps()
   print(f"device {common.device_name()}: peak {peak / 1e12:.0f} TFLOP/s ({peak_source}), copy "
         f"{copy if copy is None else round(copy, 2)} TB/s", flush=True)
   for k, n in TOY_KN if toy else K3_KN:
-    points = ([(m, False) for m in (TOY_DENSE_M if toy else DENSE_M)]
-              + [(m, True) for m in (TOY_GROUPED_M if toy else GROUPED_M)])
+    dense = TOY_DENSE_M if toy else [int(m) for m in _DENSE_M.value]
+    grouped_m = TOY_GROUPED_M if toy else [int(m) for m in _GROUPED_M.value]
+    points = [(m, False) for m in dense] + [(m, True) for m in grouped_m]
     for m, grouped in points:
-      records = run_shape(m, k, n, grouped, toy, peak, copy, _VARIANTS.value)
+      records = run_shape(m, k, n, grouped, toy, peak, copy, _VARIANTS.value,
+                          _TRITON_CONFIGS.value)
       for r in records:
         r.update(peak_tflops=round(peak / 1e12, 1), peak_source=peak_source,
                  copy_tbps=None if copy is None else round(copy, 3))

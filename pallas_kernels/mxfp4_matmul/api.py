@@ -18,7 +18,9 @@ types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "un
 weight unpacked to bf16 in HBM once per call, then cuBLAS / our bf16 grouped GEMM; any platform,
 `unpacked.py`), "mosaic_gpu"
 (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
-(`mosaic_tpu.py`, imported when asked for). impl=None is the platform default
+(`mosaic_tpu.py`, imported when asked for), "triton" (a Pallas kernel on the Triton backend
+for few rows, decode: one launch streaming the packed weights, `triton.py`; by name only: on
+the H200 it runs as fast as the mosaic_gpu kernel there, not faster). impl=None is the platform default
 (`default_impls`, by the rows of the call): a kernel joins it only after its tests pass on its
 hardware and where it is the faster tier. On Hopper (GPU tests on the H200, 2026-12-02/03):
 `mxfp4_matmul` runs the reference below 16 rows (XLA fuses the unpacking into its GEMV) and
@@ -45,7 +47,7 @@ import numpy as np
 from pallas_kernels import tiers
 from pallas_kernels.mxfp4_matmul import reference
 
-IMPLS = ("reference", "xla", "unpacked", "mosaic_gpu", "mosaic_tpu")
+IMPLS = ("reference", "xla", "unpacked", "mosaic_gpu", "mosaic_tpu", "triton")
 BLOCK = 32
 Plan = tiers.Plan
 

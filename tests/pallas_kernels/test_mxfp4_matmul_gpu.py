@@ -7,7 +7,10 @@ byte. Then
 the K3 expert shapes (K, N) = (3584, 3072) and (3072, 3584) at M = 1, 16, 64 and 4096, dense
 and grouped over 8 experts (uneven sizes, an empty expert, rows past the groups), fp32 output
 against the reference (`k3jax.mx.unpack_k3` + XLA, bf16 operands, fp32 sums) and bf16 output.
-The plan must pick mosaic_gpu when asked, so a silent fall-through fails.
+The plan must pick mosaic_gpu when asked, so a silent fall-through fails. The Triton tier
+(`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization,
+large scales, overflow and NaN, the K3 shapes at M = 1 and 16 dense and over 8 experts at M = 16
+and 64, and every benchmark candidate config.
 """
 import dataclasses
 
@@ -26,6 +29,7 @@ from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
+from pallas_kernels.mxfp4_matmul import triton
 
 pytestmark = pytest.mark.skipif(not mosaic_gpu.is_hopper(), reason="needs an NVIDIA Hopper GPU")
 
@@ -175,3 +179,106 @@ def test_swapped_k3_shapes(m, k, n):
       config=swapped(m + 5, k, n, 8, jnp.float32)))(x, packed, scale, gs)
   assert rel_err(out, ref) < F32_TOL
   np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# The Triton tier (`triton.py`): Pallas on the Triton backend, for few rows
+# ------------------------------------------------------------------------------------------
+
+def edge_scales(n: int, k: int) -> np.ndarray:
+  """Scale bytes [n, k/32] cycling through the E8M0 edges that keep every weight finite: 0
+  (2^-127, subnormal products), 1, 2, 126-128, large ones up to 252 (6 * 2^125)."""
+  edges = np.array([0, 1, 2, 3, 64, 126, 127, 128, 200, 251, 252], np.uint8)
+  return edges[(np.arange(n)[:, None] + np.arange(k // 32)[None, :]) % len(edges)]
+
+
+@pytest.mark.parametrize("dequant", triton.DEQUANTS)
+def test_triton_reads_every_code_and_scale_exactly(dequant):
+  """x = I [K, K]: out = W^T exactly for every code in both nibbles and the scale edges (values
+  below 2^-126 too: the GPU keeps subnormals), with each dequantization."""
+  n, k = 64, 512
+  packed, _ = every_code(n, k, seed=5)
+  scale = edge_scales(n, k)
+  cfg = dataclasses.replace(triton.Config(), dequant=dequant)
+  out = triton.matmul(jnp.eye(k, dtype=jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale),
+                      preferred_element_type=jnp.float32, config=cfg)
+  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T.astype(np.float32))
+
+
+@pytest.mark.parametrize("dequant", triton.DEQUANTS)
+def test_triton_large_scales_overflow_and_nan(dequant):
+  """Scales 253 / 254 with codes up to 1.5 (finite: exact), a lone 6 * 2^127 weight (+inf in
+  its column, by x's sign), a lone -6 * 2^126 (-inf) and a NaN scale (a NaN column)."""
+  n, k = 64, 512
+  rng = np.random.default_rng(7)
+  packed = rng.integers(0, 256, (n, k // 2)).astype(np.uint8) & 0xBB   # |value| <= 1.5
+  scale = np.where(rng.random((n, k // 32)) < 0.5, 253, 254).astype(np.uint8)
+  cfg = dataclasses.replace(triton.Config(), dequant=dequant)
+  run = lambda x, p, s: np.asarray(triton.matmul(
+      x, jnp.asarray(p), jnp.asarray(s), preferred_element_type=jnp.float32, config=cfg))
+  np.testing.assert_array_equal(run(jnp.eye(k, dtype=jnp.bfloat16), packed, scale),
+                                dequantize(packed, scale).T.astype(np.float32))
+  packed[:3], scale[3:] = 0, rng.integers(100, 151, (n - 3, k // 32))
+  packed[0, 5], scale[0, 0] = 0x07, 254      # element 10: 6 * 2^127 -> +inf
+  packed[1, 9], scale[1, 0] = 0xF0, 253      # element 19: -6 * 2^126 -> -inf
+  scale[2, 4] = 255                          # NaN
+  x = jax.random.normal(jax.random.key(3), (16, k), jnp.float32).astype(jnp.bfloat16)
+  out = run(x, packed, scale)
+  sign = np.sign(np.asarray(x, np.float32))
+  np.testing.assert_array_equal(out[:, 0], sign[:, 10] * np.inf)
+  np.testing.assert_array_equal(out[:, 1], -sign[:, 19] * np.inf)
+  assert np.isnan(out[:, 2]).all() and np.isfinite(out[:, 3:]).all()
+
+
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [1, 16])
+def test_triton_matmul_k3_shapes(m, k, n):
+  x, packed, scale = make(m, k, n, 1, seed=m + k + 2)
+  packed, scale = packed[0], scale[0]
+  p = plan(x, packed, scale, impl="triton")
+  assert p.impl == "triton", p.declined
+  ref = jax.jit(reference.matmul, static_argnames="preferred_element_type")(
+      x, packed, scale, preferred_element_type=jnp.float32)
+  fn = jax.jit(mxfp4_matmul, static_argnames=("impl", "preferred_element_type"))
+  out = fn(x, packed, scale, impl="triton", preferred_element_type=jnp.float32)
+  assert out.shape == (m, n) and rel_err(out, ref) < F32_TOL
+  out = fn(x, packed, scale, impl="triton")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [16, 64])
+def test_triton_ragged_dot_k3_shapes_eight_experts(m, k, n):
+  sizes = SIZES[m]
+  x, packed, scale = make(m + 5, k, n, len(sizes), seed=m + n + 2)   # 5 rows past the groups
+  gs = jnp.asarray(sizes, jnp.int32)
+  p = plan_ragged_dot(x, packed, scale, gs, impl="triton")
+  assert p.impl == "triton", p.declined
+  ref = jax.jit(reference.ragged_dot, static_argnames="preferred_element_type")(
+      x, packed, scale, gs, preferred_element_type=jnp.float32)
+  fn = jax.jit(mxfp4_ragged_dot, static_argnames=("impl", "preferred_element_type"))
+  out = fn(x, packed, scale, gs, impl="triton", preferred_element_type=jnp.float32)
+  assert rel_err(out, ref) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+  out = fn(x, packed, scale, gs, impl="triton")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes):], 0.0)
+
+
+@pytest.mark.parametrize("name", list(triton.CONFIGS))
+def test_triton_every_candidate_config(name):
+  """Each benchmark candidate (`triton.CONFIGS`, block_k fitted to K) at (K, N) = (3584, 3072),
+  16 rows dense and grouped over 8 experts (an empty expert, rows past the groups)."""
+  k, n, m = 3584, 3072, 16
+  cfg = triton.fit(triton.CONFIGS[name], k)
+  x, packed, scale = make(m + 5, k, n, 8, seed=len(name))
+  ref = reference.matmul(x[:m], packed[0], scale[0], preferred_element_type=jnp.float32)
+  out = jax.jit(lambda a, p, s: triton.matmul(a, p, s, preferred_element_type=jnp.float32,
+                                              config=cfg))(x[:m], packed[0], scale[0])
+  assert rel_err(out, ref) < F32_TOL, cfg
+  gs = jnp.asarray(SIZES[m], jnp.int32)
+  ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
+  out = jax.jit(lambda a, p, s, g: triton.ragged_dot(a, p, s, g, config=cfg))(
+      x, packed, scale, gs)
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(SIZES[m]):], 0.0)

@@ -1,0 +1,393 @@
+"""Triton tier of the MXFP4-weight matmul (k3_techniques.md §7): a Pallas kernel on the Triton
+backend for few rows (decode: M <= 16 dense, a few rows per expert grouped), where the Mosaic GPU
+kernel is latency-bound.
+
+Weights in the K3 checkpoint layout (k3_hf_names.md): W [N, K] as `w_packed` uint8 [N, K/2]
+(element 2j in the low nibble, 2j+1 in the high one, E2M1 bit codes) and `w_scale` uint8
+[N, K/32] (E8M0, 2^(s - 127) per block of 32 along K).
+  matmul(x [M, K], w_packed, w_scale)        -> [M, N] = x @ W^T
+  ragged_dot(lhs [M, K], w_packed [G, N, K/2], w_scale [G, N, K/32], group_sizes [G])
+                                             -> [M, N], `jax.lax.ragged_dot`'s semantics with
+                                                expert g's weight W_g^T
+
+One launch per call, no XLA op around it but free reshapes. A program owns block_n output columns
+(weight rows) of one row block (dense: grid (N / block_n, cdiv(M, block_m))) or of one expert
+(grouped: grid (N / block_n, min(G, M) + 1), below) and loops over K in block_k steps, which
+Triton software-pipelines (`num_stages`). Per step it loads
+  the packed tile [block_n, block_k/32, 16] uint8 (w_packed viewed as [N, K/32, 16]: a row of
+    16 bytes per scale block, 16-byte vector loads),
+  its scales [block_n, block_k/32] uint8,
+  x's rows [block_m, block_k] bf16, masked to the rows the program owns (no padded copy of x:
+    rows past M or outside the group are never read),
+dequantizes the low nibbles to W's even columns and the high ones to its odd columns, each
+[block_n, block_k/2] bf16 (no interleaving of the weight), splits x's columns into even and odd
+ones ([block_m, block_k/2, 2] split along its last axis, in registers) and accumulates in fp32
+  acc += x_even @ W_even^T + x_odd @ W_odd^T
+(two `tl.dot`s, every dim >= 16: x's rows are padded to block_m = 16 by the masked load).
+`Config.swap` computes acc^T [block_n, block_m] = W x^T instead (the weight tile as the MMA's
+A operand) and stores it transposed.
+
+Dequantization (`Config.dequant`), exact in bf16 (a 2-bit-mantissa value times a power of two):
+  "exp": integer ops only up to one multiply by 1. The bf16 bits of v(c) * 2^(s - 127) for
+    the magnitude bits m = c & 7 of code c are (m << 6) + A for m >= 2 and m * A for m <= 1,
+    A = (s - 1) << 7 (the bits of 0.5 * 2^(s - 127)), or'ed with the sign (c & 8) << 12. That
+    holds for s in [2, 252] (no overflow or subnormal); outside, s is clamped to s' in [2, 252]
+    and the value multiplied by F = 2^(s - s') (bf16; NaN for s = 255), F = 1 otherwise. No
+    subnormal operand (so the interpreter's flushing XLA:CPU computes it too; its subnormal
+    results are flushed there as the reference's are).
+  "shift" (GPU only; the interpreter evaluates "exp"): as the Mosaic GPU kernel's, the code's
+    sign and magnitude bits shifted into place, ((b << 12) >> 6) & 0x81C0 (low nibble; b << 8
+    for the high one): the bf16 bits of v * 2^-126 (0.5 becomes the subnormal 2^-127), then
+    bf16 multiplies by 2^126 and by the scale 2^(s - 127) (0 -> the subnormal 2^-127, 255 ->
+    NaN). Three integer ops and two multiplies a weight instead of about seven and one.
+The scales are broadcast along the 16 bytes of their block (a [block_n, block_k/32, 1]
+operand), so there is no gather.
+
+Grouped: program (j, t) takes the t-th non-empty group (from group_sizes, loaded whole into
+registers: prefix sums clamped to M, ranks of the non-empty groups by `cumsum`), and loops over
+its rows in blocks of block_m (each block re-reads the weight tile, from L2); slot t = min(G, M)
+stores zeros into the rows past sum(group_sizes), so every output row is written by the kernel.
+Empty groups take no slot: their weights are never read, and a call over many experts (G = 896)
+with few rows launches min(G, M) + 1 slots per column block, not G.
+
+Constraints (`supports_*` give the reason): an NVIDIA GPU of compute capability >= 8.0 (or
+interpret), x bf16, output bf16 or fp32, K a multiple of block_k, N a multiple of block_n, block
+sizes powers of two (block_m, block_n >= 16, block_k >= 64), at most MAX_GROUPS groups. Any M
+runs; the tier is meant for few rows (each row block re-reads the weights). Not differentiable
+by itself (the API's custom VJP differentiates x through the reference).
+"""
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+import jax.numpy as jnp
+
+from pallas_kernels.mxfp4_matmul import reference
+
+BLOCK = 32                      # elements per E8M0 scale along K
+HALF = BLOCK // 2               # packed bytes per scale block
+DEQUANTS = ("exp", "shift")
+MAX_GROUPS = 1 << 14            # group_sizes is loaded whole into one program's registers
+MAX_GRID = 65535                # CUDA's limit on the grid's second dim (row blocks or slots)
+_BLOCK_K_CHOICES = (512, 256, 128, 64)
+_BF16 = jnp.dtype(jnp.bfloat16)
+_F32 = jnp.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """block_n weight rows (output columns) per program, block_k of K per pipelined step, x's rows
+  in blocks of block_m (>= 16, the MMA's smallest dim); Triton's num_warps and num_stages;
+  dequant "exp" or "shift" (module docstring); swap: acc^T = W x^T (the weight tile as the MMA's
+  A operand) instead of acc = x W^T."""
+  block_n: int = 16
+  block_k: int = 512
+  block_m: int = 16
+  num_warps: int = 4
+  num_stages: int = 4
+  dequant: str = "exp"
+  swap: bool = False
+
+
+# Candidates for the benchmark sweep (`benchmarks/mxfp4_matmul.py --triton_configs`); block_k
+# shrinks to divide K where it does not (`fit`).
+CONFIGS = {
+    "n16": Config(),
+    "shift": Config(dequant="shift"),
+    "n32": Config(block_n=32),
+    "n64": Config(block_n=64, block_k=256),
+    "k256_s6": Config(block_k=256, num_stages=6),
+    "k1024_s3": Config(block_k=1024, num_stages=3),
+    "w8": Config(block_n=32, num_warps=8),
+    "swap64": Config(block_n=64, block_k=256, swap=True),
+    "n32_shift": Config(block_n=32, dequant="shift"),
+    "n64_shift": Config(block_n=64, block_k=256, dequant="shift"),
+}
+
+
+def is_gpu() -> bool:
+  """True when the default device (or the abstract mesh's, when lowering ahead of time for
+  one) is an NVIDIA GPU with bf16 MMA (compute capability >= 8.0)."""
+  if not plgpu_triton.is_gpu_device():
+    return False
+  try:
+    return plgpu_triton.get_gpu_info().compute_capability >= 80
+  except ValueError:
+    return False
+
+
+def _device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+def fit(cfg: Config, k: int) -> Config:
+  """cfg with block_k halved until it divides K (64 at least; unchanged if none does)."""
+  bk = cfg.block_k
+  while k % bk and bk > _BLOCK_K_CHOICES[-1]:
+    bk //= 2
+  return cfg if k % bk else dataclasses.replace(cfg, block_k=bk)
+
+
+def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
+  """The fastest candidate measured at the K3 expert shapes (H200, 2026-12-03): "n32" dense,
+  "n64" grouped; block_n halved (to 16 at least) until it divides N, block_k until it divides K
+  (0 if no power of two from 64 does: the call is declined)."""
+  del m
+  cfg = CONFIGS["n64" if grouped else "n32"]
+  bn = cfg.block_n
+  while n % bn and bn > 16:
+    bn //= 2
+  cfg = fit(dataclasses.replace(cfg, block_n=bn), k)
+  return cfg if k % cfg.block_k == 0 else dataclasses.replace(cfg, block_k=0)
+
+
+def check_config(cfg: Config, k: int, n: int) -> str | None:
+  """None if cfg fits K and N, else why not."""
+  for name, b, least in (("block_m", cfg.block_m, 16), ("block_n", cfg.block_n, 16),
+                         ("block_k", cfg.block_k, 64)):
+    if b < least or b & (b - 1):
+      return f"{name}={b} must be a power of two >= {least} (Triton tiles, MMA dims >= 16)"
+  if k % cfg.block_k:
+    return f"K={k} is not a multiple of block_k={cfg.block_k}"
+  if n % cfg.block_n:
+    return f"N={n} is not a multiple of block_n={cfg.block_n}"
+  if cfg.dequant not in DEQUANTS:
+    return f"dequant must be one of {DEQUANTS}, got {cfg.dequant!r}"
+  if cfg.num_warps < 1 or cfg.num_warps & (cfg.num_warps - 1) or cfg.num_stages < 1:
+    return f"num_warps must be a power of two and num_stages >= 1, got {cfg}"
+  return None
+
+
+def _supports(x, w_packed, groups: int, preferred_element_type, interpret: bool,
+              config: Config | None) -> str | None:
+  if not interpret and not is_gpu():
+    return (f"needs an NVIDIA GPU of compute capability >= 8.0 or interpret=True, the default "
+            f"device is {_device_kind()}")
+  if jnp.dtype(x.dtype) != _BF16:
+    return f"needs bfloat16 x (the dequantized weight is bf16), got {x.dtype}"
+  out_dtype = reference.out_dtype(x, preferred_element_type)
+  if out_dtype not in (_BF16, _F32):
+    return f"output dtype must be bfloat16 or float32, got {out_dtype}"
+  (m, k), n = x.shape, w_packed.shape[-2]
+  if m == 0:
+    return "M=0: no rows"
+  if groups > MAX_GROUPS:
+    return f"G={groups} groups > {MAX_GROUPS} (group_sizes is loaded into one program)"
+  if config is None and k % _BLOCK_K_CHOICES[-1]:
+    return f"K={k} is not a multiple of {_BLOCK_K_CHOICES[-1]} (the smallest block_k)"
+  cfg = default_config(m, k, n, groups > 1) if config is None else config
+  if reason := check_config(cfg, k, n):
+    return reason
+  if groups == 1 and pl.cdiv(m, cfg.block_m) > MAX_GRID:
+    return f"M={m} needs more than {MAX_GRID} row blocks of {cfg.block_m} (CUDA's grid y)"
+  return None
+
+
+def supports_matmul(x, w_packed, w_scale, *, preferred_element_type=None,
+                    interpret: bool = False, config: Config | None = None) -> str | None:
+  """None if `matmul` takes this call (shapes checked by the API), else the reason."""
+  del w_scale
+  return _supports(x, w_packed, 1, preferred_element_type, interpret, config)
+
+
+def supports_ragged_dot(lhs, w_packed, w_scale, group_sizes, *, preferred_element_type=None,
+                        interpret: bool = False, config: Config | None = None) -> str | None:
+  """None if `ragged_dot` takes this call (shapes checked by the API), else the reason."""
+  del w_scale, group_sizes
+  return _supports(lhs, w_packed, w_packed.shape[0], preferred_element_type, interpret, config)
+
+
+# ------------------------------------------------------------------------------------------
+# Dequantization
+# ------------------------------------------------------------------------------------------
+
+def _bf16(bits: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+
+
+def exp_values(codes: jax.Array, scale: jax.Array) -> jax.Array:
+  """E2M1 codes (int16, 0-15) times 2^(scale - 127) (scale: E8M0 bytes as int16, broadcast
+  against codes) in bf16, "exp" (module docstring): integer ops, then a multiply by F (1 unless
+  the scale byte is outside [2, 252])."""
+  clamped = jnp.clip(scale, 2, 252)
+  a = (clamped - 1) << 7                                    # bf16 bits of 0.5 * 2^(s' - 127)
+  f = _bf16(jnp.where(scale == 255, 0x7FC0, (scale - clamped + 127) << 7))
+  m = codes & 7
+  magnitude = jnp.where(m >= 2, (m << 6) + a, m * a)
+  return _bf16(magnitude | ((codes & 8) << 12)) * f
+
+
+def shift_bits(shifted: jax.Array) -> jax.Array:
+  """int16 whose top nibble (bits 15-12) is an E2M1 code -> the bf16 bits (int16) of its value
+  times 2^-126: ((c << 12) >> 6) & 0x81C0 with the arithmetic shift spreading the sign."""
+  return (shifted >> 6) & jnp.int16(0x81C0 - 0x10000)
+
+
+def e8m0_bf16(scale: jax.Array) -> jax.Array:
+  """E8M0 bytes (as int16) -> 2^(s - 127) in bf16 (0 -> the subnormal 2^-127, 255 -> NaN)."""
+  return _bf16(jnp.where(scale == 255, 0x7FC0, jnp.where(scale == 0, 0x0040, scale << 7)))
+
+
+def dequantize(packed: jax.Array, scale: jax.Array, dequant: str,
+               interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """packed [bn, nb, 16] uint8 and scale [bn, nb] uint8 -> (W's even columns, W's odd columns),
+  each [bn, nb * 16] bf16."""
+  bn, nb, _ = packed.shape
+  b = packed.astype(jnp.int16)
+  s = lax.broadcast_in_dim(scale.astype(jnp.int16), (bn, nb, 1), (0, 1))
+  if dequant == "shift" and not interpret:   # XLA:CPU flushes the bf16 subnormal of code 0.5
+    factor = e8m0_bf16(s)
+    two126 = jnp.asarray(2.0 ** 126, jnp.bfloat16)
+    lo = _bf16(shift_bits(b << 12)) * two126 * factor
+    hi = _bf16(shift_bits(b << 8)) * two126 * factor
+  else:
+    lo, hi = exp_values(b & 15, s), exp_values(b >> 4, s)
+  return lo.reshape(bn, nb * HALF), hi.reshape(bn, nb * HALF)
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel
+# ------------------------------------------------------------------------------------------
+
+def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a [p, k] @ b [q, k]^T -> [p, q] fp32."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, interpret: bool):
+  """out[first:end, n0:n0 + bn] = x[first:end] @ W_group[n0:n0 + bn]^T, in row blocks of
+  block_m (end - first rows, any number >= 0)."""
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  nb = bk // BLOCK
+  k = x_ref.shape[1]
+
+  def row_block(r, carry):
+    r0 = first + r * bm
+    valid = (r0 + jnp.arange(bm) < end)[:, None]             # [bm, 1]
+
+    def step(kk, acc):
+      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
+      p = p_ref[group, pl.ds(n0, bn), blocks, :]             # [bn, nb, 16] uint8
+      s = s_ref[group, pl.ds(n0, bn), blocks]                # [bn, nb] uint8
+      x = plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(kk * bk, bk), bk)],
+                            mask=valid, other=0)             # [bm, bk] bf16
+      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
+      w_even, w_odd = dequantize(p, s, cfg.dequant, interpret)
+      if cfg.swap:
+        return acc + _dot_t(w_even, x_even) + _dot_t(w_odd, x_odd)
+      return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
+
+    shape = (bn, bm) if cfg.swap else (bm, bn)
+    acc = lax.fori_loop(0, k // bk, step, jnp.zeros(shape, jnp.float32))
+    if cfg.swap:
+      acc = acc.T
+    plgpu_triton.store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
+                       mask=valid)
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
+
+
+def _zero_rows(first, end, out_ref, n0, cfg: Config):
+  """out[first:end, n0:n0 + bn] = 0."""
+  bm, bn = cfg.block_m, cfg.block_n
+
+  def row_block(r, carry):
+    r0 = first + r * bm
+    valid = (r0 + jnp.arange(bm) < end)[:, None]
+    plgpu_triton.store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)],
+                       jnp.zeros((bm, bn), out_ref.dtype), mask=valid)
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
+
+
+def _dense_kernel(x_ref, p_ref, s_ref, out_ref, *, cfg: Config, interpret: bool):
+  """Program (j, i): columns [j bn, + bn) of rows [i bm, + bm)."""
+  m = x_ref.shape[0]
+  n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
+  first = pl.program_id(1) * cfg.block_m
+  _rows(first, jnp.minimum(first + cfg.block_m, m), x_ref, p_ref, s_ref, out_ref, 0, n0, cfg,
+        interpret)
+
+
+def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, out_ref, *, cfg: Config, interpret: bool):
+  """Program (j, t): columns [j bn, + bn) of the rows of the t-th non-empty group; the last slot
+  zeros the rows past the groups."""
+  m = x_ref.shape[0]
+  g = p_ref.shape[0]
+  g_pad = pl.next_power_of_2(g)
+  n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
+  t = pl.program_id(1)
+  idx = jnp.arange(g_pad)
+  sizes = plgpu_triton.load(gs_ref.at[pl.ds(0, g_pad)], mask=idx < g, other=0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m)            # group g: rows [starts, ends) of x
+  starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
+  nonempty = (ends > starts).astype(jnp.int32)
+  mine = (nonempty > 0) & (jnp.cumsum(nonempty) == t + 1)
+  group = jnp.sum(jnp.where(mine, idx, 0))
+  first = jnp.sum(jnp.where(mine, starts, 0))
+  end = jnp.sum(jnp.where(mine, ends, 0))           # 0 (no rows) when there is no t-th group
+  last = pl.num_programs(1) - 1
+
+  @pl.when(t < last)
+  def _():
+    _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
+
+  @pl.when(t == last)
+  def _():
+    _zero_rows(jnp.max(ends), m, out_ref, n0, cfg)
+
+
+# jitted: every layer's call shares one lowering (and one Triton kernel for XLA to build)
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
+def _call(x, w_packed, w_scale, group_sizes, *, cfg: Config, out_dtype, interpret: bool):
+  """x [M, K], w_packed [G, N, K/2], w_scale [G, N, K/32], group_sizes [G] int32 or None
+  (dense: G = 1) -> [M, N] out_dtype."""
+  (m, k), (g, n) = x.shape, w_packed.shape[:2]
+  packed = w_packed.reshape(g, n, k // BLOCK, HALF)           # free: a row of 16 bytes a block
+  params = plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  if group_sizes is None:
+    return pl.pallas_call(
+        functools.partial(_dense_kernel, cfg=cfg, interpret=interpret),
+        out_shape=out_shape, grid=(n // cfg.block_n, pl.cdiv(m, cfg.block_m)),
+        compiler_params=params, interpret=interpret, name="mxfp4_matmul_triton",
+    )(x, packed, w_scale)
+  return pl.pallas_call(
+      functools.partial(_grouped_kernel, cfg=cfg, interpret=interpret),
+      out_shape=out_shape, grid=(n // cfg.block_n, min(g, m) + 1),
+      compiler_params=params, interpret=interpret, name="mxfp4_ragged_dot_triton",
+  )(group_sizes.astype(jnp.int32), x, packed, w_scale)
+
+
+def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
+           preferred_element_type=None, interpret: bool = False,
+           config: Config | None = None) -> jax.Array:
+  """x [M, K] @ W^T -> [M, N] for W [N, K] as (w_packed [N, K/2], w_scale [N, K/32]) uint8;
+  output in x's dtype unless preferred_element_type. Call `supports_matmul` first."""
+  if reason := supports_matmul(x, w_packed, w_scale, preferred_element_type=preferred_element_type,
+                               interpret=interpret, config=config):
+    raise NotImplementedError(reason)
+  (m, k), n = x.shape, w_packed.shape[0]
+  cfg = default_config(m, k, n, False) if config is None else config
+  return _call(x, w_packed[None], w_scale[None], None, cfg=cfg,
+               out_dtype=reference.out_dtype(x, preferred_element_type), interpret=interpret)
+
+
+def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_sizes: jax.Array,
+               *, preferred_element_type=None, interpret: bool = False,
+               config: Config | None = None) -> jax.Array:
+  """Row r of group g: lhs[r] @ W_g^T for W_g as (w_packed [G, N, K/2], w_scale [G, N, K/32])
+  uint8; rows past sum(group_sizes) are zero. Call `supports_ragged_dot` first."""
+  if reason := supports_ragged_dot(lhs, w_packed, w_scale, group_sizes,
+                                   preferred_element_type=preferred_element_type,
+                                   interpret=interpret, config=config):
+    raise NotImplementedError(reason)
+  (m, k), n = lhs.shape, w_packed.shape[1]
+  cfg = default_config(m, k, n, True) if config is None else config
+  return _call(lhs, w_packed, w_scale, group_sizes, cfg=cfg,
+               out_dtype=reference.out_dtype(lhs, preferred_element_type), interpret=interpret)
