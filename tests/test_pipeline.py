@@ -20,8 +20,7 @@ OVERRIDES = {
     "train.seq_len": 16, "train.global_batch_size": 16,
     "train.grad_accum_steps": 4, "train.qk_clip_tau": 0.5, "mesh.pipeline": 2,
 }
-MESHES = {"pipeline2_data4": {"mesh.data": 4},
-          "pipeline2_data2_expert2": {"mesh.data": 2, "mesh.expert": 2}}
+MESHES = {"pipeline2_data2_expert2": {"mesh.data": 2, "mesh.expert": 2}}
 STEPS = 3
 
 _SCRIPT = r"""
@@ -96,8 +95,8 @@ def _assert_leaves_close(got, want, rtol: float, atol: float, what: str):
 
 def test_pipeline_steps_match_single_device(tmp_path):
   """Three train steps (per-head Muon, QK-Clip, Quantile Balancing bias updates; learning rate
-  0, 1e-3, 2e-3) on two 8-device meshes with pipeline 2 against the single-device step with the
-  same 4 micro-batches (three processes at once).
+  0, 1e-3, 2e-3) on an 8-device mesh (pipeline 2 x data 2 x expert 2) against the single-device
+  step with the same 4 micro-batches (two processes at once).
 
   Step 0 leaves the parameters unchanged (learning rate 0), so its optimizer moments are the
   gradients leaf by leaf (clipped alike) and its MoE biases come from the per-layer routing
@@ -189,7 +188,7 @@ def test_schedule_runs_each_microbatch_once_in_dependency_order(stages, microbat
 
 
 def test_layouts_the_pipeline_cannot_split_name_the_field():
-  base = {**OVERRIDES, **MESHES["pipeline2_data4"]}
+  base = {**OVERRIDES, "mesh.data": 4}
   lay = pipeline.layout(config.load(TINY, base).model, 2, 4)
   assert (lay.units_per_stage, lay.entry_layer(1), lay.sent_blocks) == (2, 3, 1)
   text = pipeline.describe(config.load(TINY, base))
