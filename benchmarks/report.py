@@ -335,6 +335,14 @@ def _copy_rate(records: list[Record], lead: str) -> str:
                              for rate, source in sorted(rates, key=str)) + ". "
 
 
+def _triton_default_name(op: str, shape: dict) -> str | None:
+  """The name in `triton.CONFIGS` of the Triton tier's default config at this shape."""
+  from pallas_kernels.mxfp4_matmul import triton
+  grouped, k = op == "mxfp4_ragged_dot", shape["K"]
+  want = triton.default_config(shape["M"], k, shape["N"], grouped)
+  return next((n for n, c in triton.CONFIGS.items() if triton.fit(c, k) == want), None)
+
+
 def mxfp4_matmul(root: pathlib.Path) -> str:
   """The MXFP4 tiers (our kernel at its default config, unpacked, reference, the Triton kernel
   at its fastest recorded config) against bf16, and the tier that dispatch picks on Hopper
@@ -348,12 +356,15 @@ def mxfp4_matmul(root: pathlib.Path) -> str:
   cols = ["mosaic_gpu", "unpacked", "reference", "bf16"]
   keep = [r for r in recs if column(r) in cols]
   row_of = lambda r: f"`{r['op']}` {_shape(r['shape'])}"
-  dense_first = sorted(keep, key=lambda r: r["op"] != "mxfp4_matmul")
+  dense_first = sorted(keep, key=lambda r: (r["op"] != "mxfp4_matmul", -r["shape"]["K"],
+                                            r["shape"]["M"]))
   first = {}                       # row -> its first record (op and shape)
   for r in dense_first:
     first.setdefault(row_of(r), r)
   at = {(row_of(r), column(r)): r for r in keep}
   fastest_triton = {}
+  triton_rows = {(row_of(r), column(r).removeprefix("triton").lstrip("_") or "default"): r
+                 for r in recs if column(r).startswith("triton")}
   for r in recs:
     if column(r).startswith("triton") and (
         row_of(r) not in fastest_triton or r["median_ms"] < fastest_triton[row_of(r)]["median_ms"]):
@@ -368,6 +379,9 @@ def mxfp4_matmul(root: pathlib.Path) -> str:
     tier = api.hopper_impls(rec["op"] == "mxfp4_ragged_dot", shape["M"], shape["G"],
                             shape["G"] * shape["N"] * shape["K"])[0]
     chosen, bf16 = at.get((row, tier)), at.get((row, "bf16"))
+    if tier == "triton":   # the default config's candidate row, else the tier by name
+      chosen = (triton_rows.get((row, _triton_default_name(rec["op"], shape)))
+                or triton_rows.get((row, "default")))
     cells.append(f"{tier}: {bf16['median_ms'] / chosen['median_ms']:.2f}x"
                  if chosen and bf16 else tier)
     ours = at.get((row, "mosaic_gpu"))

@@ -16,19 +16,18 @@ Tiers ("impl"): "reference" (`k3jax.mx.unpack_k3` then `jnp.dot` / `jax.lax.ragg
 platform), "xla" (the same product with the weight in XLA's float4_e2m1fn / float8_e8m0fnu
 types, a dequantization XLA's GEMM fusion can take; any platform, `xla.py`), "unpacked" (the
 weight unpacked to bf16 in HBM once per call, then cuBLAS / our bf16 grouped GEMM; any platform,
-`unpacked.py`), "mosaic_gpu"
-(Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "mosaic_tpu"
-(`mosaic_tpu.py`, imported when asked for), "triton" (a Pallas kernel on the Triton backend
-for few rows, decode: one launch streaming the packed weights, `triton.py`; by name only: on
-the H200 it runs as fast as the mosaic_gpu kernel there, not faster). impl=None is the platform default
-(`default_impls`, by the rows of the call): a kernel joins it only after its tests pass on its
-hardware and where it is the faster tier. On Hopper (GPU tests on the H200, 2026-12-02/03):
-`mxfp4_matmul` runs the reference below 16 rows (XLA fuses the unpacking into its GEMV) and
-"unpacked" from 16; `mxfp4_ragged_dot` runs mosaic_gpu below 128 rows per expert and
-"unpacked" from 128. mosaic_tpu joins once its tests run on a TPU. A named kernel that declines a call
-(`supports_*` gives the reason) falls through to the reference (fail closed); `plan` /
-`plan_ragged_dot` return the choice and every reason. `interpret=True` runs the kernel tiers
-in their interpreters (CPU tests).
+`unpacked.py`), "mosaic_gpu" (Hopper kernel dequantizing on chip, `mosaic_gpu.py`), "triton" (a
+Pallas kernel on the Triton backend for few rows, decode: one launch streaming the packed
+weights, `triton.py`), "mosaic_tpu" (`mosaic_tpu.py`, imported when asked for). impl=None is the
+platform default (`default_impls`, by the rows of the call): a kernel joins it only after its
+tests pass on its hardware and where it is the faster tier. On Hopper (GPU tests on the H200,
+2026-12-02/03): `mxfp4_matmul` runs the reference below 16 rows (XLA fuses the unpacking into
+its GEMV) and "unpacked" from 16; `mxfp4_ragged_dot` runs triton up to 8 rows per expert (then
+mosaic_gpu where it declines), mosaic_gpu below 128 and "unpacked" from 128. mosaic_tpu joins
+once its tests run on a TPU. A named kernel that declines a call (`supports_*` gives the
+reason) falls through to the reference (fail closed); `plan` / `plan_ragged_dot` return the
+choice and every reason. `interpret=True` runs the kernel tiers in their interpreters (CPU
+tests).
 
 Inference ops: differentiable with respect to x only (a custom VJP on every tier: d_x =
 d_out @ W through the reference's dequantization); the packed weights and scales are integer
@@ -61,6 +60,9 @@ Plan = tiers.Plan
 # 896 of K3's experts of one matrix: 19.7 GB).
 UNPACKED_MIN_ROWS = 16
 UNPACKED_MIN_ROWS_PER_GROUP = 128
+# Grouped at 2-8 rows per expert (decode) the Triton kernel ran 0.94-1.36x the Mosaic GPU
+# kernel's time at the K3 shapes (faster in 3 of 4; H200, 2026-12-03); above 8 it is unmeasured.
+TRITON_MAX_ROWS_PER_GROUP = 8
 UNPACKED_MAX_BYTES = 4 << 30
 
 
@@ -68,12 +70,15 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
                  weight_elements: int = 0) -> tuple[str, ...]:
   """Hopper's tier order at m rows over `groups` weights of `weight_elements` elements in all:
   the unpacked tier from UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert
-  (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES, else mosaic_gpu (grouped) or the
-  reference (dense)."""
+  (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES, else (grouped) triton up to
+  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above, or (dense) the reference."""
   fits = 2 * weight_elements <= UNPACKED_MAX_BYTES
   if grouped:
-    many = fits and m >= UNPACKED_MIN_ROWS_PER_GROUP * groups
-    return ("unpacked", "reference") if many else ("mosaic_gpu", "reference")
+    if fits and m >= UNPACKED_MIN_ROWS_PER_GROUP * groups:
+      return ("unpacked", "reference")
+    if m <= TRITON_MAX_ROWS_PER_GROUP * groups:
+      return ("triton", "mosaic_gpu", "reference")
+    return ("mosaic_gpu", "reference")
   return ("unpacked", "reference") if fits and m >= UNPACKED_MIN_ROWS else ("reference",)
 
 

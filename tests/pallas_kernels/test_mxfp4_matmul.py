@@ -29,6 +29,7 @@ from pallas_kernels.mxfp4_matmul import plan
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
 from pallas_kernels.mxfp4_matmul import xla
+from pallas_kernels.mxfp4_matmul import triton
 from pallas_kernels.ragged_dot import mosaic_gpu as gmm_kernel
 
 # bf16 output: relative L2 ~3e-3 from the final rounding; a wrong nibble, scale or row is O(0.1).
@@ -276,12 +277,15 @@ def test_gradient_with_respect_to_x():
 
 def test_hopper_defaults_follow_the_rows(monkeypatch):
   """On Hopper the default tier follows the rows: dense, the reference below 16 rows and the
-  unpacked tier from 16; grouped, the kernel below 128 rows per expert, unpacked from 128;
-  never unpacked where the bf16 weights would exceed UNPACKED_MAX_BYTES."""
+  unpacked tier from 16; grouped, the Triton kernel up to 8 rows per expert (the Mosaic GPU
+  kernel where it declines), the Mosaic GPU kernel below 128, unpacked from 128; never unpacked
+  where the bf16 weights would exceed UNPACKED_MAX_BYTES."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
   assert default_impls(grouped=False, m=8) == ("reference",)
   assert default_impls(grouped=False, m=16) == ("unpacked", "reference")
+  assert default_impls(grouped=True, m=8 * 8, groups=8) == ("triton", "mosaic_gpu", "reference")
+  assert default_impls(grouped=True, m=8 * 8 + 1, groups=8) == ("mosaic_gpu", "reference")
   assert default_impls(grouped=True, m=8 * 127, groups=8) == ("mosaic_gpu", "reference")
   assert default_impls(grouped=True, m=8 * 128, groups=8) == ("unpacked", "reference")
   # A bf16 copy over UNPACKED_MAX_BYTES (K3's 896 experts of one matrix) stays on the kernel.
@@ -293,7 +297,10 @@ def test_hopper_defaults_follow_the_rows(monkeypatch):
   packed, scale = weights(0, 8, 128, 512)
   gs = jax.ShapeDtypeStruct((8,), jnp.int32)
   assert plan_ragged_dot(x, packed, scale, gs).impl == "unpacked"
-  assert plan_ragged_dot(x[:64], packed, scale, gs).impl == "mosaic_gpu"
+  p = plan_ragged_dot(x[:64], packed, scale, gs)        # triton declines off a GPU: next tier
+  assert p.impl == "mosaic_gpu" and p.declined[0][0] == "triton", p
+  monkeypatch.setattr(triton, "is_gpu", lambda: True)
+  assert plan_ragged_dot(x[:64], packed, scale, gs).impl == "triton"
 
 
 def test_plan_defaults_and_falls_through_with_reasons():
