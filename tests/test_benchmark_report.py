@@ -94,19 +94,19 @@ def test_mxfp4_matmul_table(tmp_path):
       mx("mxfp4_matmul", "mxfp4_unpacked", 1, 0.012),
       mx("mxfp4_matmul", "mxfp4_reference", 1, 0.01),
       mx("mxfp4_matmul", "bf16_xla", 1, 0.008),
-      mx("mxfp4_matmul", "mxfp4_unpacked", 16, 0.016),
-      mx("mxfp4_matmul", "bf16_xla", 16, 0.012),
+      mx("mxfp4_matmul", "mxfp4_unpacked", 32, 0.016),
+      mx("mxfp4_matmul", "bf16_xla", 32, 0.012),
       mx("mxfp4_matmul", "mxfp4_reference", 4096, None, error="boom"),
   ])
   lines = report.mxfp4_matmul(tmp_path).splitlines()
   # The newest record of each row, dense before grouped; the tier Hopper's dispatch picks at
-  # each shape (reference below 16 dense rows; grouped triton up to 8 rows per expert, the
+  # each shape (reference below 8 dense rows, unpacked above 16; grouped triton up to 8 rows per expert, the
   # kernel below 128, else unpacked) against bf16; variants of our kernel left out; the Triton
   # kernel's fastest config.
   assert lines[2:] == [
       "| `mxfp4_matmul` M1 K64 N32 G1 | 20.0 | 15.0 (n32) | 12.0 | 10.0 | 8.0 | reference: 0.80x "
       "| 0.50 (12%) |",
-      "| `mxfp4_matmul` M16 K64 N32 G1 |  |  | 16.0 |  | 12.0 | unpacked: 0.75x |  |",
+      "| `mxfp4_matmul` M32 K64 N32 G1 |  |  | 16.0 |  | 12.0 | unpacked: 0.75x |  |",
       "| `mxfp4_ragged_dot` M16 K64 N32 G8 | 50.0 | 60.0 (default) | 80.0 |  | 40.0 | "
       "triton: 0.67x | 0.80 (20%) |",
       "| `mxfp4_ragged_dot` M1024 K64 N32 G8 | 300.0 |  | 200.0 |  | 100.0 | unpacked: 0.50x "

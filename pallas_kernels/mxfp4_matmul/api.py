@@ -21,8 +21,8 @@ Pallas kernel on the Triton backend for few rows, decode: one launch streaming t
 weights, `triton.py`), "mosaic_tpu" (`mosaic_tpu.py`, imported when asked for). impl=None is the
 platform default (`default_impls`, by the rows of the call): a kernel joins it only after its
 tests pass on its hardware and where it is the faster tier. On Hopper (GPU tests on the H200,
-2026-12-02/03): `mxfp4_matmul` runs the reference below 16 rows (XLA fuses the unpacking into
-its GEMV) and "unpacked" from 16; `mxfp4_ragged_dot` runs triton up to 8 rows per expert (then
+2026-12-02/03): `mxfp4_matmul` runs the reference below 8 rows (XLA fuses the unpacking into
+its GEMV), triton from 8 to 16 and "unpacked" above; `mxfp4_ragged_dot` runs triton up to 8 rows per expert (then
 mosaic_gpu where it declines), mosaic_gpu below 128 and "unpacked" from 128. mosaic_tpu joins
 once its tests run on a TPU. A named kernel that declines a call (`supports_*` gives the
 reason) falls through to the reference (fail closed); `plan` / `plan_ragged_dot` return the
@@ -58,10 +58,15 @@ Plan = tiers.Plan
 # lines through the two measured points cross near 130 rows per expert. The unpacked weight is
 # materialised, so weights whose bf16 copy exceeds UNPACKED_MAX_BYTES stay on the kernel (all
 # 896 of K3's experts of one matrix: 19.7 GB).
-UNPACKED_MIN_ROWS = 16
+UNPACKED_MIN_ROWS = 17
 UNPACKED_MIN_ROWS_PER_GROUP = 128
-# Grouped at 2-8 rows per expert (decode) the Triton kernel ran 0.94-1.36x the Mosaic GPU
-# kernel's time at the K3 shapes (faster in 3 of 4; H200, 2026-12-03); above 8 it is unmeasured.
+# The Triton kernel ("shift" dequantization, H200, 2026-12-03, K3 shapes): dense at 16 rows
+# 12.4-13.9 us against unpacked's 15.6-16.3 and the reference's 22.7-23.5, at 1 row 12.4-14.2
+# against the reference's 10.6-11.2 (its time flat in the rows, the reference's growing: the
+# lines cross between 2 and 6 rows, so from 8); grouped at 2-8 rows per expert 1.08-1.68x the
+# Mosaic GPU kernel's speed. Above 16 dense rows and 8 per expert it is unmeasured.
+TRITON_MIN_ROWS = 8
+TRITON_MAX_ROWS = 16
 TRITON_MAX_ROWS_PER_GROUP = 8
 UNPACKED_MAX_BYTES = 4 << 30
 
@@ -70,8 +75,9 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
                  weight_elements: int = 0) -> tuple[str, ...]:
   """Hopper's tier order at m rows over `groups` weights of `weight_elements` elements in all:
   the unpacked tier from UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert
-  (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES, else (grouped) triton up to
-  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above, or (dense) the reference."""
+  (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES; else triton up to
+  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above (grouped), triton from
+  TRITON_MIN_ROWS to TRITON_MAX_ROWS and the reference elsewhere (dense)."""
   fits = 2 * weight_elements <= UNPACKED_MAX_BYTES
   if grouped:
     if fits and m >= UNPACKED_MIN_ROWS_PER_GROUP * groups:
@@ -79,7 +85,9 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
     if m <= TRITON_MAX_ROWS_PER_GROUP * groups:
       return ("triton", "mosaic_gpu", "reference")
     return ("mosaic_gpu", "reference")
-  return ("unpacked", "reference") if fits and m >= UNPACKED_MIN_ROWS else ("reference",)
+  if fits and m >= UNPACKED_MIN_ROWS:
+    return ("unpacked", "reference")
+  return ("triton", "reference") if TRITON_MIN_ROWS <= m <= TRITON_MAX_ROWS else ("reference",)
 
 
 def default_impls(grouped: bool, m: int = 0, groups: int = 1,

@@ -216,8 +216,8 @@ def test_bad_configs_are_refused():
     assert got is not None and reason in got, (cfg, got)
   assert triton.fit(triton.Config(block_k=1024), 3584).block_k == 512
   assert triton.fit(triton.Config(block_k=512), 3072).block_k == 512
-  assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["n32"]
-  assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64"]
+  assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["n32_shift"]
+  assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_shift"]
   assert triton.default_config(1, 512, 48, False).block_n == 16      # 32 does not divide 48
   assert triton.default_config(1, 96, 64, False).block_k == 0        # no block_k divides 96
 
