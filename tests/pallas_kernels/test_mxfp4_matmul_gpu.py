@@ -84,38 +84,51 @@ def test_nan_scale_gives_a_nan_column():
   np.testing.assert_array_equal(np.isnan(out), nan)
 
 
-@pytest.mark.parametrize("k, n", K3_SHAPES)
-@pytest.mark.parametrize("m", [1, 16, 64, 4096])
-def test_matmul_k3_shapes(m, k, n):
-  x, packed, scale = make(m, k, n, 1, seed=m + k)
+def check_matmul(impl: str, m: int, k: int, n: int, seed: int):
+  """`impl`, which the plan must pick, against the reference at [m, k] x [n, k]^T, fp32 and bf16
+  out."""
+  x, packed, scale = make(m, k, n, 1, seed=seed)
   packed, scale = packed[0], scale[0]
-  p = plan(x, packed, scale, impl="mosaic_gpu")
-  assert p.impl == "mosaic_gpu", p.declined
+  p = plan(x, packed, scale, impl=impl)
+  assert p.impl == impl, p.declined
   ref = jax.jit(reference.matmul, static_argnames="preferred_element_type")(
       x, packed, scale, preferred_element_type=jnp.float32)
   fn = jax.jit(mxfp4_matmul, static_argnames=("impl", "preferred_element_type"))
-  out = fn(x, packed, scale, impl="mosaic_gpu", preferred_element_type=jnp.float32)
+  out = fn(x, packed, scale, impl=impl, preferred_element_type=jnp.float32)
   assert out.shape == (m, n) and rel_err(out, ref) < F32_TOL
-  out = fn(x, packed, scale, impl="mosaic_gpu")
+  out = fn(x, packed, scale, impl=impl)
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+
+
+def check_ragged_dot(impl: str, m: int, k: int, n: int, seed: int):
+  """`impl`, which the plan must pick, against the reference over 8 experts of SIZES[m] rows and
+  5 rows past the groups (zeros in fp32 and bf16), fp32 and bf16 out."""
+  sizes = SIZES[m]
+  x, packed, scale = make(m + 5, k, n, len(sizes), seed=seed)
+  gs = jnp.asarray(sizes, jnp.int32)
+  p = plan_ragged_dot(x, packed, scale, gs, impl=impl)
+  assert p.impl == impl, p.declined
+  ref = jax.jit(reference.ragged_dot, static_argnames="preferred_element_type")(
+      x, packed, scale, gs, preferred_element_type=jnp.float32)
+  fn = jax.jit(mxfp4_ragged_dot, static_argnames=("impl", "preferred_element_type"))
+  out = fn(x, packed, scale, gs, impl=impl, preferred_element_type=jnp.float32)
+  assert rel_err(out, ref) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+  out = fn(x, packed, scale, gs, impl=impl)
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes):], 0.0)
+
+
+@pytest.mark.parametrize("k, n", K3_SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64, 4096])
+def test_matmul_k3_shapes(m, k, n):
+  check_matmul("mosaic_gpu", m, k, n, seed=m + k)
 
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [1, 16, 64, 4096])
 def test_ragged_dot_k3_shapes_eight_experts(m, k, n):
-  sizes = SIZES[m]
-  x, packed, scale = make(m + 5, k, n, len(sizes), seed=m + n)     # 5 rows past the groups
-  gs = jnp.asarray(sizes, jnp.int32)
-  p = plan_ragged_dot(x, packed, scale, gs, impl="mosaic_gpu")
-  assert p.impl == "mosaic_gpu", p.declined
-  ref = jax.jit(reference.ragged_dot, static_argnames="preferred_element_type")(
-      x, packed, scale, gs, preferred_element_type=jnp.float32)
-  fn = jax.jit(mxfp4_ragged_dot, static_argnames=("impl", "preferred_element_type"))
-  out = fn(x, packed, scale, gs, impl="mosaic_gpu", preferred_element_type=jnp.float32)
-  assert rel_err(out, ref) < F32_TOL
-  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
-  out = fn(x, packed, scale, gs, impl="mosaic_gpu")
-  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+  check_ragged_dot("mosaic_gpu", m, k, n, seed=m + n)
 
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
@@ -233,36 +246,13 @@ def test_triton_large_scales_overflow_and_nan(dequant):
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [1, 16])
 def test_triton_matmul_k3_shapes(m, k, n):
-  x, packed, scale = make(m, k, n, 1, seed=m + k + 2)
-  packed, scale = packed[0], scale[0]
-  p = plan(x, packed, scale, impl="triton")
-  assert p.impl == "triton", p.declined
-  ref = jax.jit(reference.matmul, static_argnames="preferred_element_type")(
-      x, packed, scale, preferred_element_type=jnp.float32)
-  fn = jax.jit(mxfp4_matmul, static_argnames=("impl", "preferred_element_type"))
-  out = fn(x, packed, scale, impl="triton", preferred_element_type=jnp.float32)
-  assert out.shape == (m, n) and rel_err(out, ref) < F32_TOL
-  out = fn(x, packed, scale, impl="triton")
-  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
+  check_matmul("triton", m, k, n, seed=m + k + 2)
 
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [16, 64])
 def test_triton_ragged_dot_k3_shapes_eight_experts(m, k, n):
-  sizes = SIZES[m]
-  x, packed, scale = make(m + 5, k, n, len(sizes), seed=m + n + 2)   # 5 rows past the groups
-  gs = jnp.asarray(sizes, jnp.int32)
-  p = plan_ragged_dot(x, packed, scale, gs, impl="triton")
-  assert p.impl == "triton", p.declined
-  ref = jax.jit(reference.ragged_dot, static_argnames="preferred_element_type")(
-      x, packed, scale, gs, preferred_element_type=jnp.float32)
-  fn = jax.jit(mxfp4_ragged_dot, static_argnames=("impl", "preferred_element_type"))
-  out = fn(x, packed, scale, gs, impl="triton", preferred_element_type=jnp.float32)
-  assert rel_err(out, ref) < F32_TOL
-  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
-  out = fn(x, packed, scale, gs, impl="triton")
-  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
-  np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes):], 0.0)
+  check_ragged_dot("triton", m, k, n, seed=m + n + 2)
 
 
 @pytest.mark.parametrize("name", list(triton.CONFIGS))
