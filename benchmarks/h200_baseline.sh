@@ -28,6 +28,9 @@
 #                                                          # phase and compiler event, device time by part
 #   bash benchmarks/h200_baseline.sh train_compile         # ~3 min: the step's compile under the
 #                                                          # profiler, its trace in $OUT
+#   bash benchmarks/h200_baseline.sh train_prebuild        # ~7 min: the prebuild's GPU test, the step
+#                                                          # compiled cold without, then with the
+#                                                          # Mosaic GPU kernels prebuilt
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
 #   bash benchmarks/h200_baseline.sh train_cache           # <= 8 min: the step's compile through JAX's
 #                                                          # persistent cache, cold then warm
@@ -105,7 +108,8 @@ PY
         tests/pallas_kernels/test_ragged_dot_gpu.py tests/pallas_kernels/test_decode_attention_gpu.py \
         tests/pallas_kernels/test_mxfp4_matmul_gpu.py tests/pallas_kernels/test_moe_gate_up.py \
         tests/pallas_kernels/test_top_k.py tests/pallas_kernels/test_attention_gpu.py \
-        tests/pallas_kernels/test_kernel_reuse.py 2>&1 | tee $OUT/gpu_tests.log | tail -30
+        tests/pallas_kernels/test_kernel_reuse.py tests/pallas_kernels/test_mosaic_gpu_prebuild_gpu.py \
+        2>&1 | tee $OUT/gpu_tests.log | tail -30
       ;;
     kda_tests)
       KDA_TEST_ARGS="-n 4" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 450 \
@@ -231,6 +235,18 @@ PY
         timeout 280 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
           --config.train.global_batch_size=2 --steps=4 --jax_cache_dir=/tmp/k3jax_jax_cache \
           --out=$OUT/train_h200.json 2>&1 | tee $OUT/train_cache_$run.log | grep "compile phases"
+      done
+      ;;
+    train_prebuild)
+      # The prebuild's GPU test, then the k3_small step compiled cold (no persistent cache) with
+      # XLA building the Mosaic GPU kernels itself, then with them prebuilt in parallel.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -p no:cacheprovider \
+        tests/pallas_kernels/test_mosaic_gpu_prebuild_gpu.py 2>&1 | tee $OUT/prebuild_tests.log | tail -3
+      for prebuild in false true; do
+        timeout 230 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+          --config.train.global_batch_size=2 --steps=4 \
+          --config.kernels.prebuild_mosaic_gpu=$prebuild --out=$OUT/train_h200.json 2>&1 \
+          | tee $OUT/train_prebuild_$prebuild.log | grep -E "compile phases|prebuilt|step_ms"
       done
       ;;
     attention)

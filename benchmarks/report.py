@@ -82,7 +82,7 @@ class Results:
              if k in ("implementation", "variant", "moe_decode_experts", "moe_kernels", "pass",
                       "shape", "B", "T", "H", "config", "tokens",
                       "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
-                      "xla_triton_gemm", "xla_flags", "compile_cache")}
+                      "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu")}
       newest[json.dumps(key, sort_keys=True)] = r
     return list(newest.values())
 
@@ -276,7 +276,9 @@ def train_step(root: pathlib.Path) -> str:
     gemm = "Triton" if r.get("xla_triton_gemm", True) else "cuBLAS"
     flags = f"; {r['xla_flags']}" if r.get("xla_flags") else ""
     cache = f"; JAX cache {r['compile_cache']}" if r.get("compile_cache") else ""
-    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}{flags}{cache}"
+    built = r.get("prebuild_mosaic_gpu")
+    prebuild = f"; {built} Mosaic GPU kernels prebuilt" if built else ""
+    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}{flags}{cache}{prebuild}"
 
   def compile_s(r):
     total = _num(r.get("compile_and_warmup_s"))

@@ -26,6 +26,7 @@ from ml_collections import config_flags
 from benchmarks import common, step_parts
 from k3jax import config as config_lib
 from k3jax import flops, sharding, train
+from pallas_kernels import mosaic_gpu_prebuild
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/k3_small.py", "Config.")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records (JSON list).")
@@ -91,7 +92,8 @@ def main(argv):
     phases["trace_s"], t = time.perf_counter() - t0, time.perf_counter()
     lowered = traced.lower()
     phases["lower_s"], t = time.perf_counter() - t, time.perf_counter()
-    step = lowered.compile()
+    step, prebuild = mosaic_gpu_prebuild.compile(
+        lowered, prebuild=cfg.kernels.prebuild_mosaic_gpu)
     phases["xla_compile_s"], t = time.perf_counter() - t, time.perf_counter()
     for _ in range(2):
       state, m = step(state, batch())
@@ -100,6 +102,8 @@ def main(argv):
     compile_s = time.perf_counter() - t0
   phases = {k: round(v, 1) for k, v in phases.items()}
   print("compile phases (s):", phases)
+  if prebuild:
+    print(prebuild)
   compile_parts = []
   if _COMPILE_TRACE_DIR.value:
     compile_parts = compile_events(_COMPILE_TRACE_DIR.value)
@@ -145,6 +149,8 @@ def main(argv):
              compile_cache=compile_cache,
              device=common.device_name(), date=common.today(), commit=common.code_commit(),
              versions=common.versions())
+  if prebuild and prebuild.built:
+    rec["prebuild_mosaic_gpu"] = prebuild.built
   rec["profiled"] = bool(parts)
   if parts:
     rec["parts"] = parts
@@ -152,7 +158,8 @@ def main(argv):
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
-                        "xla_flags", "xla_triton_gemm", "profiled", "compile_cache", "device"))
+                        "xla_flags", "xla_triton_gemm", "profiled", "compile_cache", "prebuild_mosaic_gpu",
+                        "device"))
   print(rec)
 
 

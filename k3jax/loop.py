@@ -14,6 +14,7 @@ from tensorboardX import SummaryWriter
 
 from k3jax import checkpoint, data, expert_parallel, flops, pipeline, sharding, train
 from k3jax import config as config_lib
+from pallas_kernels import mosaic_gpu_prebuild
 
 
 def _place(batch: dict[str, np.ndarray], batch_sharding,
@@ -145,9 +146,17 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
                    out_shardings=(state_shardings, None),
                    compiler_options=train.compiler_options(cfg))
 
+  compiled = []
+
   def step_fn(state, batch):
     with jax.set_mesh(mesh):  # traced with the mesh: FSDP gathers, model code's shard_maps
-      return jitted(state, batch)
+      if not compiled:  # compiled ahead, its Mosaic GPU kernels built in parallel meanwhile
+        step, report = mosaic_gpu_prebuild.compile(
+            jitted.trace(state, batch).lower(), prebuild=cfg.kernels.prebuild_mosaic_gpu)
+        if report:
+          say(str(report))
+        compiled.append(step)
+      return compiled[0](state, batch)
 
   checkpoint.install_sigterm_handler()
   flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len, counts)

@@ -84,6 +84,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   # training) or "gathered" (each copy's expert weights gathered; no sort, no grouped kernel)
   kn.moe_decode_experts = "sorted"
   kn.xla_triton_gemm = False  # XLA's own GEMMs: cuBLAS (False) or its Triton GEMM fusions (True)
+  # The step's Mosaic GPU kernels built on a thread pool while XLA compiles the step
+  # (pallas_kernels.mosaic_gpu_prebuild); False: XLA builds them one after another
+  kn.prebuild_mosaic_gpu = True
 
   t = c.train = ml_collections.ConfigDict()
   t.steps = 1000
