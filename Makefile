@@ -38,4 +38,4 @@ test: setup tpu-setup
 	$(MAKE) --no-print-directory test-tpu
 
 test-tpu: tpu-setup
-	PYTHONPATH=$(abspath $(LIBTPU_DIR)) JAX_PLATFORMS=cpu $(PY) -m pytest -q tests/tpu
+	PYTHONPATH=$(abspath $(LIBTPU_DIR)) JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal tests/tpu
