@@ -30,9 +30,10 @@ TARGET = "mosaic_gpu_v2"  # JAX's Mosaic GPU custom call
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One distinct Mosaic GPU call: its backend config's attributes, as Python values."""
+  """One distinct Mosaic GPU call: its backend config's attributes by name, as bytes (string
+  attributes), bools, or else the attribute's printed form (str)."""
   kernel_hash: bytes
-  config: tuple[tuple[str, bytes | bool], ...]
+  config: tuple[tuple[str, bytes | bool | str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +52,14 @@ class Report:
 
 
 def kernels_of(lowered) -> tuple[Kernel, ...]:
-  """The distinct Mosaic GPU calls of a `jax.stages.Lowered`, in program order."""
+  """The distinct Mosaic GPU calls of a `jax.stages.Lowered` with a typed-FFI backend config, in
+  program order."""
   found: dict[bytes, Kernel] = {}
 
   def visit(op):
     if (op.name == "stablehlo.custom_call"
-        and ir.StringAttr(op.attributes["call_target_name"]).value == TARGET):
+        and ir.StringAttr(op.attributes["call_target_name"]).value == TARGET
+        and "mhlo.backend_config" in op.attributes):  # else XLA builds the kernel itself
       attrs = ir.DictAttr(op.attributes["mhlo.backend_config"])
       config = []
       for i in range(len(attrs)):
@@ -66,8 +69,7 @@ def kernels_of(lowered) -> tuple[Kernel, ...]:
         elif isinstance(named.attr, ir.BoolAttr):
           config.append((named.name, named.attr.value))
         else:
-          raise ValueError(f"{TARGET} backend config: attribute {named.name!r} is neither a "
-                           f"string nor a bool: {named.attr}")
+          config.append((named.name, str(named.attr)))
       kernel = Kernel(dict(config)["kernel_hash"], tuple(config))
       found.setdefault(kernel.kernel_hash, kernel)
     return ir.WalkResult.ADVANCE
@@ -80,10 +82,17 @@ _build_p = jex_core.Primitive("mosaic_gpu_prebuild")
 _build_p.def_abstract_eval(lambda *, kernel: jax.core.ShapedArray((1,), jnp.int8))
 
 
+def _attribute(value: bytes | bool | str) -> ir.Attribute:
+  if isinstance(value, bytes):
+    return ir.StringAttr.get(value)
+  if isinstance(value, bool):
+    return ir.BoolAttr.get(value)
+  return ir.Attribute.parse(value)
+
+
 def _build_lowering(ctx, *, kernel: Kernel):
-  config = {name: ir.StringAttr.get(value) if isinstance(value, bytes) else ir.BoolAttr.get(value)
-            for name, value in kernel.config}
   del ctx
+  config = {name: _attribute(value) for name, value in kernel.config}
   i8 = ir.RankedTensorType.get([1], ir.IntegerType.get_signless(8))
   return mlir.custom_call(TARGET, result_types=[i8],
                           operands=[], backend_config=config, api_version=4,
@@ -118,7 +127,8 @@ def compile(lowered, *, prebuild: bool = True, max_workers: int | None = None): 
     failed, done = [], [t0]
     for kernel, future in zip(kernels, futures):
       if (error := future.exception()) is not None:
-        failed.append((kernel.kernel_hash[:4].hex(), str(error).splitlines()[0][:200]))
+        first_line = (str(error) or type(error).__name__).splitlines()[0]
+        failed.append((kernel.kernel_hash[:4].hex(), first_line[:200]))
       else:
         done.append(future.result())
   return compiled, Report(len(kernels) - len(failed), tuple(failed), max(done) - t0)

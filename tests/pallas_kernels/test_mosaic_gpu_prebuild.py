@@ -85,6 +85,15 @@ def test_build_program_carries_the_same_call(hopper):
     assert dict(bools) == {k: str(v).lower() for k, v in kernel.config if isinstance(v, bool)}
 
 
+def test_other_attributes_travel_in_their_printed_form():
+  kernel = prebuild.Kernel(b"h" * 32, (("kernel_hash", b"h" * 32), ("module", b"\x00ML\xef"),
+                                       ("flag", True), ("count", "3 : i32")))
+  text = prebuild.build_program(kernel).trace().lower(lowering_platforms=("cuda",)).as_text()
+  assert 'kernel_hash = "hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhh"' in text
+  assert 'module = "\\00ML\\EF"' in text
+  assert "flag = true" in text and "count = 3 : i32" in text
+
+
 def test_no_kernels_compiles_plainly():
   lowered = jax.jit(lambda x: x * 2).trace(sd(8, dtype=jnp.float32)).lower()
   assert prebuild.kernels_of(lowered) == ()
