@@ -291,7 +291,7 @@ PY
       timeout ${MXFP4_BENCH_S:-220} python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json \
         --variants= --dense_m=1,16 --grouped_m=16,64 \
         --implementations=mxfp4_triton,mxfp4_mosaic_gpu,bf16_xla,bf16_ragged_dot,mxfp4_unpacked \
-        --triton_configs=${TRITON_CONFIGS:-shift,n32,n64,k256_s6,k1024_s3,w8,swap64} 2>&1 \
+        --triton_configs=${TRITON_CONFIGS:-n32_shift_w2,n32_shift_w1,n16_shift_w1,n32_shift_k1024_w2,n64_shift_w2} 2>&1 \
         | tee $OUT/mxfp4_triton.log | grep -E "device|ms|triton|declined|Error"
       ;;
     mxfp4_xla)
