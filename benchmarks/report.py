@@ -79,10 +79,11 @@ class Results:
       if any(r.get(k) != v for k, v in match.items()):
         continue
       key = {k: v for k, v in r.items()
-             if v is not None and k in ("implementation", "variant", "moe_decode_experts", "moe_kernels", "pass",
-                      "shape", "B", "T", "H", "config", "tokens",
-                      "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
-                      "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu")}
+             if v is not None and k in (
+                 "implementation", "variant", "moe_decode_experts", "moe_kernels", "pass",
+                 "shape", "B", "T", "H", "config", "tokens",
+                 "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
+                 "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu")}
       newest[json.dumps(key, sort_keys=True)] = r
     return list(newest.values())
 

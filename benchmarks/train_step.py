@@ -158,8 +158,8 @@ def main(argv):
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
-                        "xla_flags", "xla_triton_gemm", "profiled", "compile_cache", "prebuild_mosaic_gpu",
-                        "device"))
+                        "xla_flags", "xla_triton_gemm", "profiled", "compile_cache",
+                        "prebuild_mosaic_gpu", "device"))
   print(rec)
 
 

@@ -113,7 +113,8 @@ def _build(kernel: Kernel) -> float:
   return time.perf_counter()
 
 
-def compile(lowered, *, prebuild: bool = True, max_workers: int | None = None):  # pylint: disable=redefined-builtin
+def compile(lowered, *, prebuild: bool = True,  # pylint: disable=redefined-builtin
+            max_workers: int | None = None):
   """`lowered.compile()`, with its Mosaic GPU kernels built in parallel meanwhile (on a CUDA
   backend, when `prebuild`). Returns (compiled, Report or None)."""
   kernels = kernels_of(lowered) if prebuild and jax.default_backend() == "gpu" else ()
