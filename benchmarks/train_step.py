@@ -120,7 +120,8 @@ def main(argv):
     if jax.devices()[0].platform == "gpu":  # kernels of CUDA graphs do not name their HLO op
       with jax.set_mesh(mesh):
         lowered = jax.jit(train.make_train_step(setup), donate_argnums=0).lower(state, batch())
-      step = lowered.compile(
+      step, _ = mosaic_gpu_prebuild.compile(
+          lowered, prebuild=cfg.kernels.prebuild_mosaic_gpu,
           compiler_options={**train.compiler_options(cfg), "xla_gpu_enable_command_buffer": ""})
       state, m = step(state, batches[0])
       jax.block_until_ready(m)

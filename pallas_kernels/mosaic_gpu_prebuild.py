@@ -114,17 +114,17 @@ def _build(kernel: Kernel) -> float:
 
 
 def compile(lowered, *, prebuild: bool = True,  # pylint: disable=redefined-builtin
-            max_workers: int | None = None):
-  """`lowered.compile()`, with its Mosaic GPU kernels built in parallel meanwhile (on a CUDA
-  backend, when `prebuild`). Returns (compiled, Report or None)."""
+            max_workers: int | None = None, compiler_options: dict | None = None):
+  """`lowered.compile(compiler_options)`, with its Mosaic GPU kernels built in parallel meanwhile
+  (on a CUDA backend, when `prebuild`). Returns (compiled, Report or None)."""
   kernels = kernels_of(lowered) if prebuild and jax.default_backend() == "gpu" else ()
   if not kernels:
-    return lowered.compile(), None
+    return lowered.compile(compiler_options), None
   t0 = time.perf_counter()
   workers = max_workers or min(len(kernels), max(1, (os.cpu_count() or 2) - 1))
   with concurrent.futures.ThreadPoolExecutor(workers, "mosaic_gpu_prebuild") as pool:
     futures = [pool.submit(_build, k) for k in kernels]
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options)
     failed, done = [], [t0]
     for kernel, future in zip(kernels, futures):
       if (error := future.exception()) is not None:
