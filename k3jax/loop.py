@@ -146,17 +146,17 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
                    out_shardings=(state_shardings, None),
                    compiler_options=train.compiler_options(cfg))
 
-  compiled = []
+  compiled = None
 
   def step_fn(state, batch):
+    nonlocal compiled
     with jax.set_mesh(mesh):  # traced with the mesh: FSDP gathers, model code's shard_maps
-      if not compiled:  # compiled ahead, its Mosaic GPU kernels built in parallel meanwhile
-        step, report = mosaic_gpu_prebuild.compile(
+      if compiled is None:  # compiled ahead, its Mosaic GPU kernels built in parallel meanwhile
+        compiled, report = mosaic_gpu_prebuild.compile(
             jitted.trace(state, batch).lower(), prebuild=cfg.kernels.prebuild_mosaic_gpu)
         if report:
           say(str(report))
-        compiled.append(step)
-      return compiled[0](state, batch)
+      return compiled(state, batch)
 
   checkpoint.install_sigterm_handler()
   flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len, counts)

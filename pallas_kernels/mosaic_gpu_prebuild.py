@@ -32,8 +32,11 @@ TARGET = "mosaic_gpu_v2"  # JAX's Mosaic GPU custom call
 class Kernel:
   """One distinct Mosaic GPU call: its backend config's attributes by name, as bytes (string
   attributes), bools, or else the attribute's printed form (str)."""
-  kernel_hash: bytes
   config: tuple[tuple[str, bytes | bool | str], ...]
+
+  @property
+  def kernel_hash(self) -> bytes:
+    return dict(self.config)["kernel_hash"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ def kernels_of(lowered) -> tuple[Kernel, ...]:
           config.append((named.name, named.attr.value))
         else:
           config.append((named.name, str(named.attr)))
-      kernel = Kernel(dict(config)["kernel_hash"], tuple(config))
+      kernel = Kernel(tuple(config))
       found.setdefault(kernel.kernel_hash, kernel)
     return ir.WalkResult.ADVANCE
 

@@ -141,8 +141,8 @@ def fit(cfg: Config, k: int) -> Config:
 
 def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
   """The fastest candidate measured at the K3 expert shapes (H200, 2026-12-03): "n32_shift"
-  dense, "n64_shift" grouped; block_n halved (to 16 at least) until it divides N, block_k until it divides K
-  (0 if no power of two from 64 does: the call is declined)."""
+  dense, "n64_shift" grouped; block_n halved (to 16 at least) until it divides N, block_k
+  until it divides K (0 if no power of two from 64 does: the call is declined)."""
   del m
   cfg = CONFIGS["n64_shift" if grouped else "n32_shift"]
   bn = cfg.block_n
