@@ -38,8 +38,9 @@
 #   bash benchmarks/h200_baseline.sh mxfp4                 # <= 6 min: MXFP4 matmul GPU tests, ours (and
 #                                                          # its MXFP4_VARIANTS) vs bf16 XLA and the bf16
 #                                                          # grouped GEMM (K3 shapes, device time)
-#   bash benchmarks/h200_baseline.sh mxfp4_triton          # <= 7 min: the triton tier's GPU tests, it and
+#   bash benchmarks/h200_baseline.sh mxfp4_triton          # <= 9 min: the triton tier's GPU tests, it and
 #                                                          # its candidate configs at decoding rows
+#                                                          # (TRITON_CONFIGS: sets, a process each)
 #   bash benchmarks/h200_baseline.sh mxfp4_xla             # <= 5 min: the MXFP4 xla tier vs bf16
 #                                                          # XLA, default flags and XLA's fused
 #                                                          # dequantization ($OUT/mxfp4_xla_*.json)
@@ -288,11 +289,17 @@ PY
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MXFP4_TEST_S:-150} python3 -m pytest -q \
         -p no:cacheprovider --durations=5 -k triton tests/pallas_kernels/test_mxfp4_matmul_gpu.py \
         2>&1 | tee $OUT/mxfp4_triton_tests.log | tail -15
-      timeout ${MXFP4_BENCH_S:-220} python3 -m benchmarks.mxfp4_matmul --out=$OUT/mxfp4_h200.json \
-        --variants= --dense_m=1,16 --grouped_m=16,64 \
-        --implementations=mxfp4_triton,mxfp4_mosaic_gpu,bf16_xla,bf16_ragged_dot,mxfp4_unpacked \
-        --triton_configs=${TRITON_CONFIGS:-n32_shift_w2,n32_shift_w1,n16_shift_w1,n32_shift_k1024_w2,n64_shift_w2} 2>&1 \
-        | tee $OUT/mxfp4_triton.log | grep -E "device|ms|triton|declined|Error"
+      # TRITON_CONFIGS: candidate sets separated by spaces, one process (and records file,
+      # $OUT/mxfp4_h200_<i>.json) each, so that a set that fails to build loses only itself.
+      i=0
+      for set in ${TRITON_CONFIGS:-n32_shift,n32_shift_s8,n32_shift_s8_w2,n16_shift_s8_w1,n32_shift_k256_s16_w2,n64_shift_s4 n32_ptx,n32_ptx_s8,n64_ptx}; do
+        i=$((i + 1))
+        timeout ${MXFP4_BENCH_S:-220} python3 -m benchmarks.mxfp4_matmul \
+          --out=$OUT/mxfp4_h200_$i.json --variants= --dense_m=1,16 --grouped_m=16,64 \
+          --implementations=${MXFP4_IMPLS:-mxfp4_triton,bf16_xla,bf16_ragged_dot} \
+          --triton_configs=$set 2>&1 \
+          | tee -a $OUT/mxfp4_triton.log | grep -E "device|ms|triton|declined|Error"
+      done
       ;;
     mxfp4_xla)
       # The MXFP4 xla tier (the weight in XLA's float4 / E8M0 types) against bf16 XLA, with the

@@ -10,10 +10,14 @@ Weights in the K3 checkpoint layout (k3_hf_names.md): W [N, K] as `w_packed` uin
                                              -> [M, N], `jax.lax.ragged_dot`'s semantics with
                                                 expert g's weight W_g^T
 
-One launch per call, no XLA op around it but free reshapes. A program owns block_n output columns
-(weight rows) of one row block (dense: grid (N / block_n, cdiv(M, block_m))) or of one expert
-(grouped: grid (N / block_n, min(G, M) + 1), below) and loops over K in block_k steps, which
-Triton software-pipelines (`num_stages`). Per step it loads
+One launch per call, no XLA op around it but free reshapes (split_k = 1). A program owns block_n
+output columns (weight rows) of one row block (dense: grid (N / block_n, cdiv(M, block_m))) or of
+one expert (grouped: grid (N / block_n, min(G, M) + 1), below) and loops over K in block_k steps,
+which Triton software-pipelines (`num_stages`). `Config.split_k` > 1 divides those steps among
+split_k programs (a third grid dim): each adds its fp32 partial into a zeroed fp32 output with
+atomic adds, cast to the output dtype after (two small XLA ops around the kernel). At decoding
+rows a program's few K steps are latency-bound; split-K puts split_k times as many programs, and
+their loads, in flight at once. Per step it loads
   the packed tile [block_n, block_k/32, 16] uint8 (w_packed viewed as [N, K/32, 16]: a row of
     16 bytes per scale block, 16-byte vector loads),
   its scales [block_n, block_k/32] uint8,
@@ -40,6 +44,12 @@ Dequantization (`Config.dequant`), exact in bf16 (a 2-bit-mantissa value times a
     for the high one): the bf16 bits of v * 2^-126 (0.5 becomes the subnormal 2^-127), then
     bf16 multiplies by 2^126 and by the scale 2^(s - 127) (0 -> the subnormal 2^-127, 255 ->
     NaN). Three integer ops and two multiplies a weight instead of about seven and one.
+  "ptx" (GPU only; the interpreter evaluates "exp"): "shift"'s bits and multiplies written in
+    inline PTX (`elementwise_inline_asm`) on 32-bit registers, two weights an instruction: a
+    register of 4 packed bytes is spread to two by byte permutes (`prmt`, a byte in each 16-bit
+    half), each nibble's sign and magnitude bits shifted and masked into bf16 bit positions for
+    both halves at once (`shl`, `and`, `or`), then `mul.rn.bf16x2` by 2^126 and by the scale:
+    about 14 instructions per 4 weights, where "shift"'s integer ops take a register a weight.
 The scales are broadcast along the 16 bytes of their block (a [block_n, block_k/32, 1]
 operand), so there is no gather.
 
@@ -69,7 +79,7 @@ from pallas_kernels.mxfp4_matmul import reference
 
 BLOCK = 32                      # elements per E8M0 scale along K
 HALF = BLOCK // 2               # packed bytes per scale block
-DEQUANTS = ("exp", "shift")
+DEQUANTS = ("exp", "shift", "ptx")
 MAX_GROUPS = 1 << 14            # group_sizes is loaded whole into one program's registers
 MAX_GRID = 65535                # CUDA's limit on the grid's second dim (row blocks or slots)
 _BLOCK_K_CHOICES = (512, 256, 128, 64)
@@ -81,8 +91,9 @@ _F32 = jnp.dtype(jnp.float32)
 class Config:
   """block_n weight rows (output columns) per program, block_k of K per pipelined step, x's rows
   in blocks of block_m (>= 16, the MMA's smallest dim); Triton's num_warps and num_stages;
-  dequant "exp" or "shift" (module docstring); swap: acc^T = W x^T (the weight tile as the MMA's
-  A operand) instead of acc = x W^T."""
+  dequant "exp", "shift" or "ptx" (module docstring); swap: acc^T = W x^T (the weight tile as the MMA's
+  A operand) instead of acc = x W^T; split_k: programs sharing one output tile's K steps (their
+  number divides K / block_k; `fit` lowers it to the largest divisor)."""
   block_n: int = 16
   block_k: int = 512
   block_m: int = 16
@@ -90,6 +101,7 @@ class Config:
   num_stages: int = 4
   dequant: str = "exp"
   swap: bool = False
+  split_k: int = 1
 
 
 # Candidates for the benchmark sweep (`benchmarks/mxfp4_matmul.py --triton_configs`); block_k
@@ -113,6 +125,18 @@ CONFIGS = {
     "n32_shift_k1024_w2": Config(block_n=32, block_k=1024, num_warps=2, num_stages=3,
                                  dequant="shift"),
     "n64_shift_w2": Config(block_n=64, block_k=256, num_warps=2, dequant="shift"),
+    # Split-K: at M <= 16 the n32 program's 6-7 K steps run one after another on 96 of the 132
+    # SMs (0.4 TB/s of packed weights); one or two steps a program, 6-14x the programs.
+    "n32_shift_s8": Config(block_n=32, dequant="shift", split_k=8),
+    "n32_shift_s8_w2": Config(block_n=32, num_warps=2, dequant="shift", split_k=8),
+    "n16_shift_s8_w1": Config(block_n=16, num_warps=1, dequant="shift", split_k=8),
+    "n32_shift_k256_s16_w2": Config(block_n=32, block_k=256, num_warps=2, dequant="shift",
+                                    split_k=16),
+    "n64_shift_s4": Config(block_n=64, block_k=256, dequant="shift", split_k=4),
+    # The dequantization in inline PTX, two weights an instruction.
+    "n32_ptx": Config(block_n=32, dequant="ptx"),
+    "n32_ptx_s8": Config(block_n=32, dequant="ptx", split_k=8),
+    "n64_ptx": Config(block_n=64, block_k=256, dequant="ptx"),
 }
 
 
@@ -132,11 +156,15 @@ def _device_kind() -> str:
 
 
 def fit(cfg: Config, k: int) -> Config:
-  """cfg with block_k halved until it divides K (64 at least; unchanged if none does)."""
+  """cfg with block_k halved until it divides K (64 at least; unchanged if none does), then
+  split_k lowered to the largest divisor of K / block_k not above it."""
   bk = cfg.block_k
   while k % bk and bk > _BLOCK_K_CHOICES[-1]:
     bk //= 2
-  return cfg if k % bk else dataclasses.replace(cfg, block_k=bk)
+  if k % bk:
+    return cfg
+  split = max(d for d in range(1, max(cfg.split_k, 1) + 1) if (k // bk) % d == 0)
+  return dataclasses.replace(cfg, block_k=bk, split_k=split)
 
 
 def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
@@ -160,6 +188,9 @@ def check_config(cfg: Config, k: int, n: int) -> str | None:
       return f"{name}={b} must be a power of two >= {least} (Triton tiles, MMA dims >= 16)"
   if k % cfg.block_k:
     return f"K={k} is not a multiple of block_k={cfg.block_k}"
+  if cfg.split_k < 1 or (k // cfg.block_k) % cfg.split_k:
+    return (f"split_k={cfg.split_k} must divide K / block_k = {k // cfg.block_k} "
+            f"(`fit` lowers it to a divisor)")
   if n % cfg.block_n:
     return f"N={n} is not a multiple of block_n={cfg.block_n}"
   if cfg.dequant not in DEQUANTS:
@@ -239,11 +270,44 @@ def e8m0_bf16(scale: jax.Array) -> jax.Array:
   return _bf16(jnp.where(scale == 255, 0x7FC0, jnp.where(scale == 0, 0x0040, scale << 7)))
 
 
+# Four packed bytes ($2) and their scale's bf16x2 ($3, $4, equal) -> the values of one nibble of
+# each ($0: bytes 0, 1; $1: bytes 2, 3), bf16x2 registers. A byte in each 16-bit half (prmt),
+# then per half: the nibble's sign bit to 15 and its magnitude bits to 8..6 (the bf16 bits of
+# v * 2^-126; shifts {s} and {m}: 12 and 6 for the low nibble, 8 and 2 for the high one), times
+# 2^126 (0x7E80) and the scale (the and / and / or pair becomes one LOP3 in ptxas). One output
+# a call: Pallas's lowering of `elementwise_inline_asm` returns one result.
+_PTX_PAIR = """prmt.b32 t, $2, z, {select};
+shl.b32 a, t, {m};
+shl.b32 b, t, {s};
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 a, a, c;
+mul.rn.bf16x2 ${out}, a, ${factor};
+"""
+
+
+def _ptx_values(packed: jax.Array, factor: jax.Array, high: bool) -> jax.Array:
+  """packed [..., 16] uint8, factor bf16 of its shape -> the low (or high) nibbles' values."""
+  shifts = dict(s=8, m=2) if high else dict(s=12, m=6)
+  asm = "".join(["{\n.reg .b32 t, a, b, c, z;\nmov.b32 c, 0x7E807E80;\nmov.b32 z, 0;\n",
+                 _PTX_PAIR.format(select="0x4140", out=0, factor=3, **shifts),
+                 _PTX_PAIR.format(select="0x4342", out=1, factor=4, **shifts), "}"])
+  [out] = plgpu_triton.elementwise_inline_asm(
+      asm, args=[packed, factor], constraints="=r,=r,r,r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
+  return out
+
+
 def dequantize(packed: jax.Array, scale: jax.Array, dequant: str,
                interpret: bool) -> tuple[jax.Array, jax.Array]:
   """packed [bn, nb, 16] uint8 and scale [bn, nb] uint8 -> (W's even columns, W's odd columns),
   each [bn, nb * 16] bf16."""
   bn, nb, _ = packed.shape
+  if dequant == "ptx" and not interpret:
+    factor = jnp.broadcast_to(e8m0_bf16(scale.astype(jnp.int16))[:, :, None], packed.shape)
+    lo, hi = (_ptx_values(packed, factor, high) for high in (False, True))
+    return lo.reshape(bn, nb * HALF), hi.reshape(bn, nb * HALF)
   b = packed.astype(jnp.int16)
   s = lax.broadcast_in_dim(scale.astype(jnp.int16), (bn, nb, 1), (0, 1))
   if dequant == "shift" and not interpret:   # XLA:CPU flushes the bf16 subnormal of code 0.5
@@ -267,10 +331,12 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, interpret: bool):
   """out[first:end, n0:n0 + bn] = x[first:end] @ W_group[n0:n0 + bn]^T, in row blocks of
-  block_m (end - first rows, any number >= 0)."""
+  block_m (end - first rows, any number >= 0); with split_k > 1, this program's share of K
+  (grid dim 2) added into out atomically."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   nb = bk // BLOCK
-  k = x_ref.shape[1]
+  steps = x_ref.shape[1] // bk // cfg.split_k
+  k_first = pl.program_id(2) * steps if cfg.split_k > 1 else 0
 
   def row_block(r, carry):
     r0 = first + r * bm
@@ -289,11 +355,17 @@ def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, inte
       return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
 
     shape = (bn, bm) if cfg.swap else (bm, bn)
-    acc = lax.fori_loop(0, k // bk, step, jnp.zeros(shape, jnp.float32))
+    acc = lax.fori_loop(k_first, k_first + steps, step, jnp.zeros(shape, jnp.float32))
     if cfg.swap:
       acc = acc.T
-    plgpu_triton.store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
-                       mask=valid)
+    tile = (pl.ds(r0, bm), pl.ds(n0, bn))
+    if cfg.split_k > 1 and interpret:     # programs run one by one there; no masked atomics
+      mine = plgpu_triton.load(out_ref.at[tile], mask=valid, other=0)
+      plgpu_triton.store(out_ref.at[tile], mine + acc, mask=valid)
+    elif cfg.split_k > 1:
+      plgpu_triton.atomic_add(out_ref, tile, acc, mask=jnp.broadcast_to(valid, (bm, bn)))
+    else:
+      plgpu_triton.store(out_ref.at[tile], acc.astype(out_ref.dtype), mask=valid)
     return carry
 
   lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
@@ -313,8 +385,10 @@ def _zero_rows(first, end, out_ref, n0, cfg: Config):
   lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
 
 
-def _dense_kernel(x_ref, p_ref, s_ref, out_ref, *, cfg: Config, interpret: bool):
-  """Program (j, i): columns [j bn, + bn) of rows [i bm, + bm)."""
+def _dense_kernel(x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: bool):
+  """Program (j, i[, s]): columns [j bn, + bn) of rows [i bm, + bm) (of K's s-th share). refs:
+  out, or (the zeroed fp32 output aliased to out, out) with split_k > 1."""
+  out_ref = refs[-1]
   m = x_ref.shape[0]
   n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
   first = pl.program_id(1) * cfg.block_m
@@ -322,9 +396,11 @@ def _dense_kernel(x_ref, p_ref, s_ref, out_ref, *, cfg: Config, interpret: bool)
         interpret)
 
 
-def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, out_ref, *, cfg: Config, interpret: bool):
-  """Program (j, t): columns [j bn, + bn) of the rows of the t-th non-empty group; the last slot
-  zeros the rows past the groups."""
+def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: bool):
+  """Program (j, t[, s]): columns [j bn, + bn) of the rows of the t-th non-empty group (of K's
+  s-th share); with split_k = 1 the last slot zeros the rows past the groups (with split_k > 1
+  the output starts zeroed). refs as `_dense_kernel`'s."""
+  out_ref = refs[-1]
   m = x_ref.shape[0]
   g = p_ref.shape[0]
   g_pad = pl.next_power_of_2(g)
@@ -339,6 +415,9 @@ def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, out_ref, *, cfg: Config, interp
   group = jnp.sum(jnp.where(mine, idx, 0))
   first = jnp.sum(jnp.where(mine, starts, 0))
   end = jnp.sum(jnp.where(mine, ends, 0))           # 0 (no rows) when there is no t-th group
+  if cfg.split_k > 1:
+    _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
+    return
   last = pl.num_programs(1) - 1
 
   @pl.when(t < last)
@@ -358,18 +437,23 @@ def _call(x, w_packed, w_scale, group_sizes, *, cfg: Config, out_dtype, interpre
   (m, k), (g, n) = x.shape, w_packed.shape[:2]
   packed = w_packed.reshape(g, n, k // BLOCK, HALF)           # free: a row of 16 bytes a block
   params = plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  split = cfg.split_k > 1
+  out_shape = jax.ShapeDtypeStruct((m, n), jnp.float32 if split else out_dtype)
+  operands = (x, packed, w_scale)
   if group_sizes is None:
-    return pl.pallas_call(
-        functools.partial(_dense_kernel, cfg=cfg, interpret=interpret),
-        out_shape=out_shape, grid=(n // cfg.block_n, pl.cdiv(m, cfg.block_m)),
-        compiler_params=params, interpret=interpret, name="mxfp4_matmul_triton",
-    )(x, packed, w_scale)
-  return pl.pallas_call(
-      functools.partial(_grouped_kernel, cfg=cfg, interpret=interpret),
-      out_shape=out_shape, grid=(n // cfg.block_n, min(g, m) + 1),
-      compiler_params=params, interpret=interpret, name="mxfp4_ragged_dot_triton",
-  )(group_sizes.astype(jnp.int32), x, packed, w_scale)
+    kernel, name, rows = _dense_kernel, "mxfp4_matmul_triton", pl.cdiv(m, cfg.block_m)
+  else:
+    operands = (group_sizes.astype(jnp.int32), *operands)
+    kernel, name, rows = _grouped_kernel, "mxfp4_ragged_dot_triton", min(g, m) + (not split)
+  grid = (n // cfg.block_n, rows, cfg.split_k) if split else (n // cfg.block_n, rows)
+  if split:
+    operands = (*operands, jnp.zeros((m, n), jnp.float32))
+  out = pl.pallas_call(
+      functools.partial(kernel, cfg=cfg, interpret=interpret), out_shape=out_shape, grid=grid,
+      input_output_aliases={len(operands) - 1: 0} if split else {}, compiler_params=params,
+      interpret=interpret, name=name,
+  )(*operands)
+  return out.astype(out_dtype)
 
 
 def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,

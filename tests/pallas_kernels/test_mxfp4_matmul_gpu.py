@@ -8,8 +8,8 @@ the K3 expert shapes (K, N) = (3584, 3072) and (3072, 3584) at M = 1, 16, 64 and
 and grouped over 8 experts (uneven sizes, an empty expert, rows past the groups), fp32 output
 against the reference (`k3jax.mx.unpack_k3` + XLA, bf16 operands, fp32 sums) and bf16 output.
 The plan must pick mosaic_gpu when asked, so a silent fall-through fails. The Triton tier
-(`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization,
-large scales, overflow and NaN, the K3 shapes at M = 1 and 16 dense and over 8 experts at M = 16
+(`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization
+(split-K too), large scales, overflow and NaN, the K3 shapes at M = 1 and 16 dense and over 8 experts at M = 16
 and 64, and every benchmark candidate config.
 """
 import dataclasses
@@ -205,14 +205,16 @@ def edge_scales(n: int, k: int) -> np.ndarray:
   return edges[(np.arange(n)[:, None] + np.arange(k // 32)[None, :]) % len(edges)]
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("dequant", triton.DEQUANTS)
-def test_triton_reads_every_code_and_scale_exactly(dequant):
+def test_triton_reads_every_code_and_scale_exactly(dequant, split_k):
   """x = I [K, K]: out = W^T exactly for every code in both nibbles and the scale edges (values
-  below 2^-126 too: the GPU keeps subnormals), with each dequantization."""
+  below 2^-126 too: the GPU keeps subnormals), with each dequantization; with split-K (4
+  programs' atomic fp32 adds, one of them nonzero per output) too."""
   n, k = 64, 512
   packed, _ = every_code(n, k, seed=5)
   scale = edge_scales(n, k)
-  cfg = dataclasses.replace(triton.Config(), dequant=dequant)
+  cfg = triton.Config(block_k=128, dequant=dequant, split_k=split_k)
   out = triton.matmul(jnp.eye(k, dtype=jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale),
                       preferred_element_type=jnp.float32, config=cfg)
   np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T.astype(np.float32))

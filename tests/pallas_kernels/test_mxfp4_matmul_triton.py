@@ -137,6 +137,8 @@ RAGGED_CASES = {
     "sparse": (5, (0, 1, 0, 2, 0, 0, 1, 0), None),
     # swapped operands (acc^T = W x^T, stored transposed), block_n 32, K in 4 steps of 128
     "swap": (20, (7, 0, 9), triton.Config(block_n=32, block_k=128, swap=True)),
+    # split-K: 8 steps of 64 shared by 4 programs, added into the zeroed output (no zero slot)
+    "split": (38, (3, 0, 20, 1, 9), triton.Config(block_k=64, split_k=4)),
 }
 
 
@@ -169,6 +171,23 @@ def test_dense_swap_and_wide_tiles():
     out = triton.matmul(x, packed, scale, preferred_element_type=jnp.float32, interpret=True,
                         config=cfg)
     assert rel_err(out, ref) < F32_TOL, cfg
+
+
+def test_split_k_dense():
+  """split_k programs per output tile, each adding its K steps' fp32 partial: 37 rows (the last
+  row block partial), K = 512 in 8 steps of 64 shared by 2 and by 8 programs, swapped too; fp32
+  and bf16 outputs."""
+  m, k, n = 37, 512, 64
+  x = activations(3, m, k)
+  packed, scale = weights(4, n, k)
+  ref = reference.matmul(x, packed, scale, preferred_element_type=jnp.float32)
+  for cfg in (triton.Config(block_k=64, split_k=2), triton.Config(block_k=64, split_k=8),
+              triton.Config(block_n=32, block_k=64, split_k=4, swap=True)):
+    out = triton.matmul(x, packed, scale, preferred_element_type=jnp.float32, interpret=True,
+                        config=cfg)
+    assert out.dtype == jnp.float32 and rel_err(out, ref) < F32_TOL, cfg
+    out = triton.matmul(x, packed, scale, interpret=True, config=cfg)
+    assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
 
 
 def test_plan_routes_and_declines_with_reasons():
@@ -211,11 +230,15 @@ def test_bad_configs_are_refused():
                       (triton.Config(block_k=1024), "K=512 is not a multiple of block_k=1024"),
                       (triton.Config(block_m=8), "block_m=8"),
                       (triton.Config(dequant="lut"), "dequant must be one of"),
-                      (triton.Config(num_warps=3), "num_warps")):
+                      (triton.Config(num_warps=3), "num_warps"),
+                      (triton.Config(block_k=128, split_k=3), "split_k=3 must divide")):
     got = triton.supports_matmul(x, packed, scale, interpret=True, config=cfg)
     assert got is not None and reason in got, (cfg, got)
   assert triton.fit(triton.Config(block_k=1024), 3584).block_k == 512
   assert triton.fit(triton.Config(block_k=512), 3072).block_k == 512
+  assert triton.fit(triton.Config(split_k=8), 3584).split_k == 7     # 7 steps of 512
+  assert triton.fit(triton.Config(split_k=8), 3072).split_k == 6
+  assert triton.fit(triton.Config(block_k=256, split_k=4), 3584).split_k == 2
   assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["n32_shift"]
   assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_shift"]
   assert triton.default_config(1, 512, 48, False).block_n == 16      # 32 does not divide 48
