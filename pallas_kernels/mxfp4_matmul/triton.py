@@ -15,9 +15,10 @@ output columns (weight rows) of one row block (dense: grid (N / block_n, cdiv(M,
 one expert (grouped: grid (N / block_n, min(G, M) + 1), below) and loops over K in block_k steps,
 which Triton software-pipelines (`num_stages`). `Config.split_k` > 1 divides those steps among
 split_k programs (a third grid dim): each adds its fp32 partial into a zeroed fp32 output with
-atomic adds, cast to the output dtype after (two small XLA ops around the kernel). At decoding
-rows a program's few K steps are latency-bound; split-K puts split_k times as many programs, and
-their loads, in flight at once. Per step it loads
+atomic adds, cast to the output dtype after (two small XLA ops around the kernel); the GPU's fp32
+atomic add flushes subnormal sums (below 2^-126) to zero. At decoding rows a program's K steps
+run one warp per scheduler on fewer programs than SMs; split-K puts split_k times as many
+programs in flight at once. Per step it loads
   the packed tile [block_n, block_k/32, 16] uint8 (w_packed viewed as [N, K/32, 16]: a row of
     16 bytes per scale block, 16-byte vector loads),
   its scales [block_n, block_k/32] uint8,
@@ -137,6 +138,14 @@ CONFIGS = {
     "n32_ptx": Config(block_n=32, dequant="ptx"),
     "n32_ptx_s8": Config(block_n=32, dequant="ptx", split_k=8),
     "n64_ptx": Config(block_n=64, block_k=256, dequant="ptx"),
+    # One K step a program needs no pipeline: one stage, a quarter of the shared memory, more
+    # programs resident per SM.
+    "n32_ptx_s8_st1": Config(block_n=32, dequant="ptx", split_k=8, num_stages=1),
+    "n32_ptx_k256_s16_st1": Config(block_n=32, block_k=256, dequant="ptx", split_k=16,
+                                   num_stages=1),
+    "n64_ptx_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", split_k=16,
+                                   num_stages=1),
+    "n32_ptx_st2": Config(block_n=32, dequant="ptx", num_stages=2),
 }
 
 
