@@ -61,11 +61,11 @@ Plan = tiers.Plan
 # 896 of K3's experts of one matrix: 19.7 GB).
 UNPACKED_MIN_ROWS = 17
 UNPACKED_MIN_ROWS_PER_GROUP = 128
-# The Triton kernel ("shift" dequantization, H200, 2026-12-03, K3 shapes): dense at 16 rows
-# 12.4-13.9 us against unpacked's 15.6-16.3 and the reference's 22.7-23.5, at 1 row 12.4-14.2
-# against the reference's 10.6-11.2 (its time flat in the rows, the reference's growing: the
-# lines cross between 2 and 6 rows, so from 8); grouped at 2-8 rows per expert 1.08-1.68x the
-# Mosaic GPU kernel's speed. Above 16 dense rows and 8 per expert it is unmeasured.
+# The Triton kernel ("ptx" dequantization, H200, 2026-12-03, K3 shapes): dense at 16 rows
+# 11.6-12.9 us against unpacked's 15.6-16.3 and the reference's 23.1-23.5, at 1 row 11.7-13.0
+# against the reference's 10.8-11.3 (its time flat in the rows, the reference's growing: the
+# lines cross between 2 and 6 rows, so from 8); grouped at 2-8 rows per expert 40.5-48.9 us,
+# 1.4-2.3x the Mosaic GPU kernel's speed. Above 16 dense rows and 8 per expert it is unmeasured.
 TRITON_MIN_ROWS = 8
 TRITON_MAX_ROWS = 16
 TRITON_MAX_ROWS_PER_GROUP = 8

@@ -126,26 +126,16 @@ CONFIGS = {
     "n32_shift_k1024_w2": Config(block_n=32, block_k=1024, num_warps=2, num_stages=3,
                                  dequant="shift"),
     "n64_shift_w2": Config(block_n=64, block_k=256, num_warps=2, dequant="shift"),
-    # Split-K: at M <= 16 the n32 program's 6-7 K steps run one after another on 96 of the 132
-    # SMs (0.4 TB/s of packed weights); one or two steps a program, 6-14x the programs.
-    "n32_shift_s8": Config(block_n=32, dequant="shift", split_k=8),
-    "n32_shift_s8_w2": Config(block_n=32, num_warps=2, dequant="shift", split_k=8),
-    "n16_shift_s8_w1": Config(block_n=16, num_warps=1, dequant="shift", split_k=8),
-    "n32_shift_k256_s16_w2": Config(block_n=32, block_k=256, num_warps=2, dequant="shift",
-                                    split_k=16),
-    "n64_shift_s4": Config(block_n=64, block_k=256, dequant="shift", split_k=4),
-    # The dequantization in inline PTX, two weights an instruction.
+    # The dequantization in inline PTX, two weights an instruction (the defaults since
+    # 2026-12-03: 1.05-1.1x "shift" dense, 1.3x grouped).
     "n32_ptx": Config(block_n=32, dequant="ptx"),
-    "n32_ptx_s8": Config(block_n=32, dequant="ptx", split_k=8),
     "n64_ptx": Config(block_n=64, block_k=256, dequant="ptx"),
-    # One K step a program needs no pipeline: one stage, a quarter of the shared memory, more
-    # programs resident per SM.
-    "n32_ptx_s8_st1": Config(block_n=32, dequant="ptx", split_k=8, num_stages=1),
+    # Split-K, one K step a program and so one stage (no pipeline; a quarter of the shared
+    # memory, more programs resident per SM): dense 1.0-1.3x n32_ptx, grouped slower.
     "n32_ptx_k256_s16_st1": Config(block_n=32, block_k=256, dequant="ptx", split_k=16,
                                    num_stages=1),
     "n64_ptx_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", split_k=16,
                                    num_stages=1),
-    "n32_ptx_st2": Config(block_n=32, dequant="ptx", num_stages=2),
 }
 
 
@@ -177,11 +167,11 @@ def fit(cfg: Config, k: int) -> Config:
 
 
 def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
-  """The fastest candidate measured at the K3 expert shapes (H200, 2026-12-03): "n32_shift"
-  dense, "n64_shift" grouped; block_n halved (to 16 at least) until it divides N, block_k
+  """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03):
+  "n32_ptx" dense, "n64_ptx" grouped (split-K's atomic adds are not); block_n halved (to 16 at least) until it divides N, block_k
   until it divides K (0 if no power of two from 64 does: the call is declined)."""
   del m
-  cfg = CONFIGS["n64_shift" if grouped else "n32_shift"]
+  cfg = CONFIGS["n64_ptx" if grouped else "n32_ptx"]
   bn = cfg.block_n
   while n % bn and bn > 16:
     bn //= 2

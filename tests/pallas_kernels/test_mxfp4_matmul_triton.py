@@ -239,8 +239,8 @@ def test_bad_configs_are_refused():
   assert triton.fit(triton.Config(split_k=8), 3584).split_k == 7     # 7 steps of 512
   assert triton.fit(triton.Config(split_k=8), 3072).split_k == 6
   assert triton.fit(triton.Config(block_k=256, split_k=4), 3584).split_k == 2
-  assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["n32_shift"]
-  assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_shift"]
+  assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["n32_ptx"]
+  assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_ptx"]
   assert triton.default_config(1, 512, 48, False).block_n == 16      # 32 does not divide 48
   assert triton.default_config(1, 96, 64, False).block_k == 0        # no block_k divides 96
 
