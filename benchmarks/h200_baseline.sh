@@ -369,7 +369,7 @@ PY
     train_remat)
       for remat in ${REMATS:-none full save_dots save_mixer_out offload}; do
         echo "== model.remat=$remat"
-        timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
+        timeout ${REMAT_S:-400} python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
           --config.train.global_batch_size=2 --config.model.remat=$remat ${TRAIN_ARGS:-} \
           --out=$OUT/train_remat_$remat.json 2>&1 | tee $OUT/train_remat_$remat.log | tail -3
       done
