@@ -292,7 +292,7 @@ PY
       # TRITON_CONFIGS: candidate sets separated by spaces, one process (and records file,
       # $OUT/mxfp4_h200_<i>.json) each, so that a set that fails to build loses only itself.
       i=0
-      for set in ${TRITON_CONFIGS:-n32_ptx,n64_ptx,n32_ptx_k256_s16_st1,n64_ptx_k256_s16_st1 n32_shift_w2,n32_shift_w1,n16_shift_w1,n32_shift_k1024_w2,n64_shift_w2}; do
+      for set in ${TRITON_CONFIGS:-n32_ptx,n64_ptx,n32_shift,n64_shift,n32_ptx_k256_s16_st1,n64_ptx_k256_s16_st1}; do
         i=$((i + 1))
         timeout ${MXFP4_BENCH_S:-220} python3 -m benchmarks.mxfp4_matmul \
           --out=$OUT/mxfp4_h200_$i.json --variants= --dense_m=1,16 --grouped_m=16,64 \

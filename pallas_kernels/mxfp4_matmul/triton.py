@@ -118,14 +118,6 @@ CONFIGS = {
     "swap64": Config(block_n=64, block_k=256, swap=True),
     "n32_shift": Config(block_n=32, dequant="shift"),
     "n64_shift": Config(block_n=64, block_k=256, dequant="shift"),
-    # Fewer warps per program: on the H200 (2026-12-03) 8 warps ran n32 1.4x slower than 4, and
-    # the tiles are small ([32, 256] packed bytes a step for n32).
-    "n32_shift_w2": Config(block_n=32, num_warps=2, dequant="shift"),
-    "n32_shift_w1": Config(block_n=32, num_warps=1, dequant="shift"),
-    "n16_shift_w1": Config(block_n=16, num_warps=1, dequant="shift"),
-    "n32_shift_k1024_w2": Config(block_n=32, block_k=1024, num_warps=2, num_stages=3,
-                                 dequant="shift"),
-    "n64_shift_w2": Config(block_n=64, block_k=256, num_warps=2, dequant="shift"),
     # The dequantization in inline PTX, two weights an instruction (the defaults since
     # 2026-12-03: 1.05-1.1x "shift" dense, 1.3x grouped).
     "n32_ptx": Config(block_n=32, dequant="ptx"),
