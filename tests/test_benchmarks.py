@@ -292,3 +292,21 @@ def test_decode_benchmark_records_every_variant_and_context(tmp_path):
     assert r["moe_kernels"] is None
     assert 0 < r["floor_ms"] and r["weight_bytes_per_step"] > 0 and r["timing"] == "wall_once"
     assert r["commit"] and "jax" in r["versions"]
+
+
+def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
+  """benchmarks.triton_sass without the `triton` package: the MXFP4 triton tier's module read
+  from the call lowered for an H200 (default config: n32 with the inline-PTX dequantization,
+  96 programs at N 3072), and the K loop found in a cuobjdump listing by its backward branch."""
+  from benchmarks import triton_sass
+  [(name, params, text)] = triton_sass.triton_modules(triton_sass.lower(None, 1, 3584, 3072, 1))
+  assert name == "mxfp4_matmul_triton"
+  assert params == dict(num_warps=4, num_stages=4, grid_x=96, grid_y=1, grid_z=1)
+  assert "tt.func" in text and "tt.dot" in text and "mul.rn.bf16x2" in text
+  assert "loc(" not in text
+  listing = "\n".join(f"        /*{a:04x}*/  {op} ;  /* 0x0 */" for a, op in [
+      (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "LDS R2, [R0]"), (0x20, "LOP3.LUT R3, R2"),
+      (0x30, "HMUL2 R4, R3, R5"), (0x40, "@P0 BRA 0x10"), (0x50, "EXIT")])
+  assert triton_sass.sass_counts(listing) == dict(
+      sass_instructions=6, loop_instructions=4, loop_opcodes={"LDS": 1, "LOP3": 1, "HMUL2": 1,
+                                                              "BRA": 1})

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from benchmarks import triton_sass
 from k3jax import mx
 from mxfp4_testing import NIBBLE
 from mxfp4_testing import dequantize
@@ -250,22 +251,9 @@ def test_bad_configs_are_refused():
 def test_lowers_to_triton_for_h200(m, k, n, g):
   """Every candidate config (block_k fitted to K) lowers to Triton IR for an H200 at the K3
   shapes, dense and grouped (896 experts: group_sizes loaded whole, 17 slots per column block);
-  the default config is taken there (not refused)."""
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                                       platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
-  lead = (g,) if g > 1 else ()
-  args = [s(m, k), s(*lead, n, k // 2, dtype=jnp.uint8), s(*lead, n, k // 32, dtype=jnp.uint8)]
-  if g > 1:
-    args.append(s(g, dtype=jnp.int32))
+  the default config is taken there (a refused call raises: `triton.matmul` checks
+  `supports_*` first). The lowering is `benchmarks.triton_sass.lower`'s, which its SASS
+  counts start from."""
   for cfg in [None, *(triton.fit(c, k) for c in triton.CONFIGS.values())]:
-    with jax.sharding.use_abstract_mesh(mesh):
-      if g > 1:
-        assert triton.supports_ragged_dot(*args, config=cfg) is None
-        fn = lambda x, p, sc, gs, cfg=cfg: triton.ragged_dot(x, p, sc, gs, config=cfg)
-      else:
-        assert triton.supports_matmul(*args, config=cfg) is None
-        fn = lambda x, p, sc, cfg=cfg: triton.matmul(x, p, sc, config=cfg)
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text, cfg
+    text = triton_sass.lower(cfg, m, k, n, g).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1, cfg
