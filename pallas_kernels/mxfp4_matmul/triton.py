@@ -92,9 +92,9 @@ _F32 = jnp.dtype(jnp.float32)
 class Config:
   """block_n weight rows (output columns) per program, block_k of K per pipelined step, x's rows
   in blocks of block_m (>= 16, the MMA's smallest dim); Triton's num_warps and num_stages;
-  dequant "exp", "shift" or "ptx" (module docstring); swap: acc^T = W x^T (the weight tile as the MMA's
-  A operand) instead of acc = x W^T; split_k: programs sharing one output tile's K steps (their
-  number divides K / block_k; `fit` lowers it to the largest divisor)."""
+  dequant "exp", "shift" or "ptx" (module docstring); swap: acc^T = W x^T (the weight tile as
+  the MMA's A operand) instead of acc = x W^T; split_k: programs sharing one output tile's K
+  steps (their number divides K / block_k; `fit` lowers it to the largest divisor)."""
   block_n: int = 16
   block_k: int = 512
   block_m: int = 16
@@ -160,8 +160,9 @@ def fit(cfg: Config, k: int) -> Config:
 
 def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
   """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03):
-  "n32_ptx" dense, "n64_ptx" grouped (split-K's atomic adds are not); block_n halved (to 16 at least) until it divides N, block_k
-  until it divides K (0 if no power of two from 64 does: the call is declined)."""
+  "n32_ptx" dense, "n64_ptx" grouped (split-K's atomic adds are not); block_n halved (to 16
+  at least) until it divides N, block_k until it divides K (0 if no power of two from 64 does:
+  the call is declined)."""
   del m
   cfg = CONFIGS["n64_ptx" if grouped else "n32_ptx"]
   bn = cfg.block_n

@@ -9,8 +9,8 @@ and grouped over 8 experts (uneven sizes, an empty expert, rows past the groups)
 against the reference (`k3jax.mx.unpack_k3` + XLA, bf16 operands, fp32 sums) and bf16 output.
 The plan must pick mosaic_gpu when asked, so a silent fall-through fails. The Triton tier
 (`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization
-(split-K too), large scales, overflow and NaN, the K3 shapes at M = 1 and 16 dense and over 8 experts at M = 16
-and 64, and every benchmark candidate config.
+(split-K too), large scales, overflow and NaN, the K3 shapes at M = 1 and 16 dense and over 8
+experts at M = 16 and 64, and every benchmark candidate config.
 """
 import dataclasses
 
