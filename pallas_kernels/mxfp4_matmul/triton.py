@@ -69,6 +69,7 @@ by itself (the API's custom VJP differentiates x through the reference).
 """
 import dataclasses
 import functools
+import re
 
 import jax
 from jax import lax
@@ -94,7 +95,8 @@ class Config:
   in blocks of block_m (>= 16, the MMA's smallest dim); Triton's num_warps and num_stages;
   dequant "exp", "shift" or "ptx" (module docstring); swap: acc^T = W x^T (the weight tile as
   the MMA's A operand) instead of acc = x W^T; split_k: programs sharing one output tile's K
-  steps (their number divides K / block_k; `fit` lowers it to the largest divisor)."""
+  steps (their number divides K / block_k; `fit` lowers it to the largest divisor); fma: the
+  products on the CUDA cores instead of the MMA (module docstring; block_m and block_n from 1)."""
   block_n: int = 16
   block_k: int = 512
   block_m: int = 16
@@ -103,6 +105,7 @@ class Config:
   dequant: str = "exp"
   swap: bool = False
   split_k: int = 1
+  fma: bool = False
 
 
 # Candidates for the benchmark sweep (`benchmarks/mxfp4_matmul.py --triton_configs`); block_k
@@ -128,6 +131,11 @@ CONFIGS = {
                                    num_stages=1),
     "n64_ptx_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", split_k=16,
                                    num_stages=1),
+    # Products on the CUDA cores (`fma`): small programs, many resident per SM.
+    "fma_n4_w2": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True),
+    "fma_n8_k256_w2": Config(block_n=8, block_k=256, block_m=1, num_warps=2, dequant="ptx",
+                             fma=True),
+    "fma_n16_k256": Config(block_n=16, block_k=256, block_m=1, dequant="ptx", fma=True),
 }
 
 
@@ -174,10 +182,13 @@ def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
 
 def check_config(cfg: Config, k: int, n: int) -> str | None:
   """None if cfg fits K and N, else why not."""
-  for name, b, least in (("block_m", cfg.block_m, 16), ("block_n", cfg.block_n, 16),
+  mma_least = 1 if cfg.fma else 16
+  for name, b, least in (("block_m", cfg.block_m, mma_least), ("block_n", cfg.block_n, mma_least),
                          ("block_k", cfg.block_k, 64)):
     if b < least or b & (b - 1):
       return f"{name}={b} must be a power of two >= {least} (Triton tiles, MMA dims >= 16)"
+  if cfg.fma and cfg.swap:
+    return "swap transposes the MMA's operands; fma has no MMA"
   if k % cfg.block_k:
     return f"K={k} is not a multiple of block_k={cfg.block_k}"
   if cfg.split_k < 1 or (k // cfg.block_k) % cfg.split_k:
@@ -279,14 +290,20 @@ mul.rn.bf16x2 ${out}, a, ${factor};
 """
 
 
-def _ptx_values(packed: jax.Array, factor: jax.Array, high: bool) -> jax.Array:
-  """packed [..., 16] uint8, factor bf16 of its shape -> the low (or high) nibbles' values."""
+def _ptx_values(packed: jax.Array, factor: jax.Array | None, high: bool) -> jax.Array:
+  """packed [..., 16] uint8, factor bf16 of its shape -> the low (or high) nibbles' values
+  (factor None: the E2M1 values unscaled)."""
   shifts = dict(s=8, m=2) if high else dict(s=12, m=6)
+  pairs = [_PTX_PAIR.format(select=select, out=out, factor=3 + out, **shifts)
+           for out, select in enumerate(("0x4140", "0x4342"))]
+  if factor is None:    # the product by 2^126 is the value: drop the scale's product
+    pairs = [re.sub(r"mul.rn.bf16x2 a, a, c;\nmul.rn.bf16x2 (\$\d), a, \$\d;",
+                    r"mul.rn.bf16x2 \1, a, c;", pair) for pair in pairs]
   asm = "".join(["{\n.reg .b32 t, a, b, c, z;\nmov.b32 c, 0x7E807E80;\nmov.b32 z, 0;\n",
-                 _PTX_PAIR.format(select="0x4140", out=0, factor=3, **shifts),
-                 _PTX_PAIR.format(select="0x4342", out=1, factor=4, **shifts), "}"])
+                 *pairs, "}"])
+  args = [packed] if factor is None else [packed, factor]
   [out] = plgpu_triton.elementwise_inline_asm(
-      asm, args=[packed, factor], constraints="=r,=r,r,r,r", pack=4,
+      asm, args=args, constraints=",".join(["=r,=r,r"] + ["r,r"] * (len(args) - 1)), pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)])
   return out
 
@@ -310,6 +327,23 @@ def dequantize(packed: jax.Array, scale: jax.Array, dequant: str,
   else:
     lo, hi = exp_values(b & 15, s), exp_values(b >> 4, s)
   return lo.reshape(bn, nb * HALF), hi.reshape(bn, nb * HALF)
+
+
+def values(packed: jax.Array, dequant: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """packed [bn, nb, 16] uint8 -> the E2M1 values of its low and high nibbles, unscaled, each
+  [bn, nb, 16] bf16 (exact)."""
+  if dequant == "ptx" and not interpret:
+    return tuple(_ptx_values(packed, None, high) for high in (False, True))
+  b = packed.astype(jnp.int16)
+  one = jnp.full(b.shape, 127, jnp.int16)                   # E8M0 of 1
+  return exp_values(b & 15, one), exp_values(b >> 4, one)
+
+
+def e8m0_f32(scale: jax.Array) -> jax.Array:
+  """E8M0 bytes -> 2^(s - 127) in fp32 (0 -> the subnormal 2^-127, 255 -> NaN)."""
+  s = scale.astype(jnp.int32)
+  bits = jnp.where(s == 255, 0x7FC00000, jnp.where(s == 0, 0x00400000, s << 23))
+  return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -346,10 +380,25 @@ def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, inte
         return acc + _dot_t(w_even, x_even) + _dot_t(w_odd, x_odd)
       return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
 
-    shape = (bn, bm) if cfg.swap else (bm, bn)
-    acc = lax.fori_loop(k_first, k_first + steps, step, jnp.zeros(shape, jnp.float32))
-    if cfg.swap:
-      acc = acc.T
+    def fma_step(kk, acc):
+      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
+      p = p_ref[group, pl.ds(n0, bn), blocks, :]             # [bn, nb, 16] uint8
+      s = s_ref[group, pl.ds(n0, bn), blocks]                # [bn, nb] uint8
+      x = plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(kk * bk, bk), bk)],
+                            mask=valid, other=0)             # [bm, bk] bf16
+      x_even, x_odd = lax.unstack(x.astype(jnp.float32).reshape(bm, 1, nb, HALF, 2), axis=4)
+      v_even, v_odd = (v.astype(jnp.float32)[None] for v in values(p, cfg.dequant, interpret))
+      part = jnp.sum(v_even * x_even + v_odd * x_odd, axis=3)   # [bm, bn, nb]: a block's dot
+      return acc + part * e8m0_f32(s)[None]
+
+    if cfg.fma:
+      acc = lax.fori_loop(k_first, k_first + steps, fma_step,
+                          jnp.zeros((bm, bn, nb), jnp.float32)).sum(axis=2)
+    else:
+      shape = (bn, bm) if cfg.swap else (bm, bn)
+      acc = lax.fori_loop(k_first, k_first + steps, step, jnp.zeros(shape, jnp.float32))
+      if cfg.swap:
+        acc = acc.T
     tile = (pl.ds(r0, bm), pl.ds(n0, bn))
     if cfg.split_k > 1 and interpret:     # programs run one by one there; no masked atomics
       mine = plgpu_triton.load(out_ref.at[tile], mask=valid, other=0)

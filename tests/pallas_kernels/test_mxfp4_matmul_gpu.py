@@ -205,21 +205,26 @@ def edge_scales(n: int, k: int) -> np.ndarray:
   return edges[(np.arange(n)[:, None] + np.arange(k // 32)[None, :]) % len(edges)]
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
+VARIANTS = {"mma": {}, "split_k": dict(split_k=4),
+            "fma": dict(fma=True, block_m=2, block_n=4, num_warps=2)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dequant", triton.DEQUANTS)
-def test_triton_reads_every_code_and_scale_exactly(dequant, split_k):
+def test_triton_reads_every_code_and_scale_exactly(dequant, variant):
   """x = I [K, K]: out = W^T exactly for every code in both nibbles and the scale edges (values
-  below 2^-126 too: the GPU keeps subnormals), with each dequantization. With split-K (4
-  programs' fp32 atomic adds, one of them nonzero per output) exactly too, but for the values
-  below 2^-126: the GPU's fp32 atomic add flushes subnormals to zero."""
+  below 2^-126 too: the GPU keeps subnormals), with each dequantization, on the MMA and on the
+  CUDA cores (fma: the scale applied to each block's sum). With split-K (4 programs' fp32
+  atomic adds, one of them nonzero per output) exactly too, but for the values below 2^-126:
+  the GPU's fp32 atomic add flushes subnormals to zero."""
   n, k = 64, 512
   packed, _ = every_code(n, k, seed=5)
   scale = edge_scales(n, k)
-  cfg = triton.Config(block_k=128, dequant=dequant, split_k=split_k)
+  cfg = triton.Config(block_k=128, dequant=dequant, **VARIANTS[variant])
   out = triton.matmul(jnp.eye(k, dtype=jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale),
                       preferred_element_type=jnp.float32, config=cfg)
   want = dequantize(packed, scale).T.astype(np.float32)
-  if split_k > 1:
+  if variant == "split_k":
     assert (np.abs(want[want != 0]) < 2.0 ** -126).any()
     want = np.where(np.abs(want) < 2.0 ** -126, np.float32(0), want)
   np.testing.assert_array_equal(np.asarray(out), want)

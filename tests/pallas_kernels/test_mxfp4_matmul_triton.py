@@ -191,6 +191,33 @@ def test_split_k_dense():
     assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
 
 
+def test_fma_products():
+  """The products on the CUDA cores (`Config.fma`): each 32-block's dot of unscaled values
+  times its scale, in fp32. Dense: 1 row, 5 and 37 rows (partial row blocks of 1, 2 and 4),
+  block_n 4 and 8; grouped with an empty expert and rows past the groups; fp32 and bf16."""
+  k, n = 512, 64
+  packed, scale = weights(6, n, k)
+  for m, cfg in ((1, triton.Config(block_n=4, block_m=1, fma=True)),
+                 (5, triton.Config(block_n=8, block_k=128, block_m=2, fma=True)),
+                 (37, triton.Config(block_n=4, block_k=256, block_m=4, fma=True))):
+    x = activations(m, m, k)
+    ref = reference.matmul(x, packed, scale, preferred_element_type=jnp.float32)
+    out = triton.matmul(x, packed, scale, preferred_element_type=jnp.float32, interpret=True,
+                        config=cfg)
+    assert rel_err(out, ref) < F32_TOL, cfg
+    out = triton.matmul(x, packed, scale, interpret=True, config=cfg)
+    assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
+  sizes = (3, 0, 6, 1)
+  x = activations(7, 12, k)
+  packed, scale = weights(7, len(sizes), n, k)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
+  out = triton.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32,
+                          interpret=True, config=triton.Config(block_n=4, block_m=2, fma=True))
+  assert rel_err(out, ref) < F32_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+
+
 def test_plan_routes_and_declines_with_reasons():
   x = activations(0, 16, 512)
   packed, scale = weights(0, 128, 512)
@@ -232,7 +259,9 @@ def test_bad_configs_are_refused():
                       (triton.Config(block_m=8), "block_m=8"),
                       (triton.Config(dequant="lut"), "dequant must be one of"),
                       (triton.Config(num_warps=3), "num_warps"),
-                      (triton.Config(block_k=128, split_k=3), "split_k=3 must divide")):
+                      (triton.Config(block_k=128, split_k=3), "split_k=3 must divide"),
+                      (triton.Config(block_n=4), "block_n=4 must be a power of two >= 16"),
+                      (triton.Config(block_n=4, fma=True, swap=True), "fma has no MMA")):
     got = triton.supports_matmul(x, packed, scale, interpret=True, config=cfg)
     assert got is not None and reason in got, (cfg, got)
   assert triton.fit(triton.Config(block_k=1024), 3584).block_k == 512
