@@ -30,7 +30,11 @@ ones ([block_m, block_k/2, 2] split along its last axis, in registers) and accum
   acc += x_even @ W_even^T + x_odd @ W_odd^T
 (two `tl.dot`s, every dim >= 16: x's rows are padded to block_m = 16 by the masked load).
 `Config.swap` computes acc^T [block_n, block_m] = W x^T instead (the weight tile as the MMA's
-A operand) and stores it transposed.
+A operand) and stores it transposed. `Config.fma` keeps the products off the MMA, on the CUDA
+cores in fp32: the E2M1 values unscaled (exact in bf16, then fp32), each 32-block's dot with x
+summed, times the block's scale (a power of two, exact), accumulated per block across K steps
+and summed at the end: acc[bm, bn, nb] += sum_16(v_even x_even + v_odd x_odd) * 2^(s - 127).
+Tiles need no MMA shape (block_m, block_n from 1), so a call can run many small programs.
 
 Dequantization (`Config.dequant`), exact in bf16 (a 2-bit-mantissa value times a power of two):
   "exp": integer ops only up to one multiply by 1. The bf16 bits of v(c) * 2^(s - 127) for
@@ -131,11 +135,10 @@ CONFIGS = {
                                    num_stages=1),
     "n64_ptx_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", split_k=16,
                                    num_stages=1),
-    # Products on the CUDA cores (`fma`): small programs, many resident per SM.
+    # Products on the CUDA cores (`fma`): 768 programs of 2 warps at N 3072, ~6 resident per SM.
+    # The fastest tier at one row (9.8-10.4 us, H200, 2026-12-03), ~10x slower at 16 rows (each
+    # row its own pass over the weight tile); block_n 8 and 16 were 1.5-1.7x slower at one row.
     "fma_n4_w2": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True),
-    "fma_n8_k256_w2": Config(block_n=8, block_k=256, block_m=1, num_warps=2, dequant="ptx",
-                             fma=True),
-    "fma_n16_k256": Config(block_n=16, block_k=256, block_m=1, dequant="ptx", fma=True),
 }
 
 
@@ -368,12 +371,15 @@ def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, inte
     r0 = first + r * bm
     valid = (r0 + jnp.arange(bm) < end)[:, None]             # [bm, 1]
 
-    def step(kk, acc):
+    def load(kk):
+      """K step kk's packed tile [bn, nb, 16] and scales [bn, nb] (uint8), x's rows [bm, bk]."""
       blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
-      p = p_ref[group, pl.ds(n0, bn), blocks, :]             # [bn, nb, 16] uint8
-      s = s_ref[group, pl.ds(n0, bn), blocks]                # [bn, nb] uint8
       x = plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(kk * bk, bk), bk)],
-                            mask=valid, other=0)             # [bm, bk] bf16
+                            mask=valid, other=0)
+      return p_ref[group, pl.ds(n0, bn), blocks, :], s_ref[group, pl.ds(n0, bn), blocks], x
+
+    def step(kk, acc):
+      p, s, x = load(kk)
       x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
       w_even, w_odd = dequantize(p, s, cfg.dequant, interpret)
       if cfg.swap:
@@ -381,11 +387,7 @@ def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, inte
       return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
 
     def fma_step(kk, acc):
-      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
-      p = p_ref[group, pl.ds(n0, bn), blocks, :]             # [bn, nb, 16] uint8
-      s = s_ref[group, pl.ds(n0, bn), blocks]                # [bn, nb] uint8
-      x = plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(kk * bk, bk), bk)],
-                            mask=valid, other=0)             # [bm, bk] bf16
+      p, s, x = load(kk)
       x_even, x_odd = lax.unstack(x.astype(jnp.float32).reshape(bm, 1, nb, HALF, 2), axis=4)
       v_even, v_odd = (v.astype(jnp.float32)[None] for v in values(p, cfg.dequant, interpret))
       part = jnp.sum(v_even * x_even + v_odd * x_odd, axis=3)   # [bm, bn, nb]: a block's dot
