@@ -73,7 +73,6 @@ by itself (the API's custom VJP differentiates x through the reference).
 """
 import dataclasses
 import functools
-import re
 
 import jax
 from jax import lax
@@ -280,28 +279,27 @@ def e8m0_bf16(scale: jax.Array) -> jax.Array:
 # each ($0: bytes 0, 1; $1: bytes 2, 3), bf16x2 registers. A byte in each 16-bit half (prmt),
 # then per half: the nibble's sign bit to 15 and its magnitude bits to 8..6 (the bf16 bits of
 # v * 2^-126; shifts {s} and {m}: 12 and 6 for the low nibble, 8 and 2 for the high one), times
-# 2^126 (0x7E80) and the scale (the and / and / or pair becomes one LOP3 in ptxas). One output
-# a call: Pallas's lowering of `elementwise_inline_asm` returns one result.
+# 2^126 (0x7E80) and the scale, or only 2^126 for the unscaled values (the and / and / or pair
+# becomes one LOP3 in ptxas). One output a call: Pallas's lowering of `elementwise_inline_asm`
+# returns one result.
 _PTX_PAIR = """prmt.b32 t, $2, z, {select};
 shl.b32 a, t, {m};
 shl.b32 b, t, {s};
 and.b32 a, a, 0x01C001C0;
 and.b32 b, b, 0x80008000;
 or.b32 a, a, b;
-mul.rn.bf16x2 a, a, c;
-mul.rn.bf16x2 ${out}, a, ${factor};
-"""
+{scale}"""
+_PTX_SCALED = "mul.rn.bf16x2 a, a, c;\nmul.rn.bf16x2 ${out}, a, ${factor};\n"
+_PTX_UNSCALED = "mul.rn.bf16x2 ${out}, a, c;\n"
 
 
 def _ptx_values(packed: jax.Array, factor: jax.Array | None, high: bool) -> jax.Array:
   """packed [..., 16] uint8, factor bf16 of its shape -> the low (or high) nibbles' values
   (factor None: the E2M1 values unscaled)."""
   shifts = dict(s=8, m=2) if high else dict(s=12, m=6)
-  pairs = [_PTX_PAIR.format(select=select, out=out, factor=3 + out, **shifts)
+  tail = _PTX_UNSCALED if factor is None else _PTX_SCALED
+  pairs = [_PTX_PAIR.format(select=select, scale=tail.format(out=out, factor=3 + out), **shifts)
            for out, select in enumerate(("0x4140", "0x4342"))]
-  if factor is None:    # the product by 2^126 is the value: drop the scale's product
-    pairs = [re.sub(r"mul.rn.bf16x2 a, a, c;\nmul.rn.bf16x2 (\$\d), a, \$\d;",
-                    r"mul.rn.bf16x2 \1, a, c;", pair) for pair in pairs]
   asm = "".join(["{\n.reg .b32 t, a, b, c, z;\nmov.b32 c, 0x7E807E80;\nmov.b32 z, 0;\n",
                  *pairs, "}"])
   args = [packed] if factor is None else [packed, factor]
