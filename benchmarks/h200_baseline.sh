@@ -46,7 +46,8 @@
 #                                                          # dequantization ($OUT/mxfp4_xla_*.json)
 #   bash benchmarks/h200_baseline.sh moe_decode            # <= 6 min: ragged_dot GPU tests of the
 #                                                          # "swapped" kernel, then the decoding
-#                                                          # shapes' grouped products (ws, swapped, xla)
+#                                                          # shapes' grouped products (ws, swapped,
+#                                                          # xla, and the experts packed as MXFP4)
 #   bash benchmarks/h200_baseline.sh decode_attention      # < 6 min: decode attention GPU tests, its tiers
 #                                                          # vs the bytes-read floor (H 8/64, S 4k-128k)
 #   DECODE_VARIANTS="hybrid all_mla" bash benchmarks/h200_baseline.sh decode

@@ -10,7 +10,11 @@ Rows (implementation):
 - "ws": the mosaic_gpu tier's default config (`gmm_config`; below 64 rows it declines and the
   row records the refusal);
 - "swapped": the "swapped" kernel (`mosaic_gpu.swapped_config`: weights on wgmma's 64-row side);
-- "xla": `jax.lax.ragged_dot`.
+- "xla": `jax.lax.ragged_dot`;
+- "mxfp4": the same experts packed as MXFP4 (the checkpoint's layout, `k3jax.mx.pack_k3` of
+  each W_g^T) through `mxfp4_ragged_dot` at the platform's default tier (`tier` records which);
+  its floor counts the packed bytes (4.25 bits a weight), its error is against the MXFP4
+  reference tier (`rel_l2_vs_reference`), not bf16 XLA.
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
 that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
 touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
@@ -26,6 +30,9 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import common
+from k3jax import mx
+from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
+from pallas_kernels.mxfp4_matmul import plan_ragged_dot as mxfp4_plan
 from pallas_kernels.ragged_dot import mosaic_gpu
 from pallas_kernels.ragged_dot import plan
 from pallas_kernels.ragged_dot import ragged_dot
@@ -61,7 +68,15 @@ def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
       "swapped": (lambda x, w, gs: mosaic_gpu.gmm(x, w, gs, interpret=toy, config=swapped),
                   swapped),
       "xla": (lambda x, w, gs: jax.lax.ragged_dot(x, w, gs), None),
+      "mxfp4": (lambda x, w, gs: mxfp4_ragged_dot(x, *w, gs, interpret=toy), None),
   }
+
+
+@jax.jit
+def packed(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """bf16 experts w [G, K, N] -> MXFP4 (weight_packed [G, N, K/2], weight_scale [G, N, K/32])
+  of each W_g = w[g]^T, one expert at a time (bounded temporaries at K3's sizes)."""
+  return jax.lax.map(lambda e: mx.pack_k3(e.T.astype(jnp.float32)), w)
 
 
 def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bool,
@@ -74,7 +89,11 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
   copies = 1 if toy else max(2, -(-2 * L2_BYTES // weight_bytes))
   weights = [(0.02 * jax.random.normal(jax.random.key(c), (g, k, n), jnp.float32)
               ).astype(jnp.bfloat16) for c in range(copies)]
-  floor_bytes = touched * k * n * 2 + m * (k + n) * 2
+  weight_sets = {"bf16": weights, "mxfp4": [packed(w) for w in weights]}
+  io_bytes = m * (k + n) * 2
+  floors = {"bf16": touched * k * n * 2 + io_bytes,
+            "mxfp4": touched * n * (k // 2 + k // mx.BLOCK) + io_bytes}
+  floor_bytes = floors["bf16"]
   floor_ms = None if copy is None else floor_bytes / (copy * 1e12) * 1e3
   shape = dict(name=name, G=g, M=m, K=k, N=n, B=batch, top_k=top_k)
   base = dict(op="moe_decode_gemm", shape=shape, dtype="bfloat16", touched_experts=touched,
@@ -83,33 +102,44 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
               versions=common.versions(), xla_flags=os.environ.get("XLA_FLAGS", ""))
   records, outputs = [], {}
   for impl, (fn, cfg) in implementations(m, k, n, g, toy).items():
+    kind = "mxfp4" if impl == "mxfp4" else "bf16"
+    ws = weight_sets[kind]
     rec = dict(base, implementation=impl, config=None if cfg is None else str(cfg))
     records.append(rec)
     if impl == "ws":
       p = plan(x, weights[0], sizes, impl="mosaic_gpu", interpret=toy)
       rec.update(tier=p.forward, note="; ".join(r for _, _, r in p.declined))
+    if kind == "mxfp4":
+      p = mxfp4_plan(x, *ws[0], sizes, interpret=toy)
+      floor_ms = None if copy is None else floors[kind] / (copy * 1e12) * 1e3
+      rec.update(tier=p.impl, note="; ".join(f"{t}: {r}" for t, r in p.declined),
+                 floor_bytes=floors[kind],
+                 floor_ms=None if floor_ms is None else round(floor_ms, 4))
     if isinstance(cfg, str):
       rec.update(error=cfg)
       print(f"{name} B{batch} {impl}: declined ({cfg})", flush=True)
       continue
     jitted = jax.jit(fn)
     if toy:
-      ms = common.time_jax_once(jitted, x, weights[0], sizes)
+      ms = common.time_jax_once(jitted, x, ws[0], sizes)
       rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
     else:
       calls = max(TRACED_CALLS, copies)
-      ms = common.device_ms_cycling(jitted, [(x, w, sizes) for w in weights], reps=calls)
+      ms = common.device_ms_cycling(jitted, [(x, w, sizes) for w in ws], reps=calls)
       rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls")
-    outputs[impl] = jitted(x, weights[0], sizes).astype(jnp.float32)
+    outputs[impl] = jitted(x, ws[0], sizes).astype(jnp.float32)
     rec.update(median_ms=round(ms, 4),
-               floor_fraction=None if floor_ms is None else round(floor_ms / ms, 3))
+               floor_fraction=None if rec["floor_ms"] is None else round(rec["floor_ms"] / ms, 3))
     print(f"{name:18s} B{batch:<3d} G{g} M{m} K{k} N{n} {impl:8s} {ms:9.4f} ms  floor "
-          f"{floor_ms if floor_ms is None else round(floor_ms, 4)} ms", flush=True)
-  ref = outputs["xla"]
+          f"{rec['floor_ms']} ms", flush=True)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
   for rec in records:
-    if rec["implementation"] in outputs and rec["implementation"] != "xla":
-      rec["rel_l2_vs_xla"] = float(jnp.linalg.norm(outputs[rec["implementation"]] - ref)
-                                   / jnp.linalg.norm(ref))
+    impl = rec["implementation"]
+    if impl == "mxfp4" and impl in outputs:
+      want = mxfp4_ragged_dot(x, *weight_sets["mxfp4"][0], sizes, impl="reference")
+      rec["rel_l2_vs_reference"] = rel(outputs[impl], want.astype(jnp.float32))
+    elif impl in outputs and impl != "xla":
+      rec["rel_l2_vs_xla"] = rel(outputs[impl], outputs["xla"])
   return records
 
 

@@ -123,7 +123,7 @@ def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_pat
   out = tmp_path / "moe_decode.json"
   run_module("benchmarks.moe_decode_gemm", "--toy", f"--out={out}")
   recs = {r["implementation"]: r for r in records(out)}
-  assert set(recs) == {"ws", "swapped", "xla"}
+  assert set(recs) == {"ws", "swapped", "xla", "mxfp4"}
   for r in recs.values():
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and r["timing"].startswith("wall")
     assert r["shape"]["M"] == r["shape"]["B"] * r["shape"]["top_k"] == 8
@@ -131,6 +131,12 @@ def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_pat
   assert recs["ws"]["tier"] == "xla" and "below" in recs["ws"]["note"]   # 8 rows: declined
   assert "kernel='swapped'" in recs["swapped"]["config"]
   assert recs["swapped"]["rel_l2_vs_xla"] < 1e-2
+  mxfp4 = recs["mxfp4"]          # the packed experts through the platform's default tier
+  assert mxfp4["tier"] == "reference" and mxfp4["rel_l2_vs_reference"] < 1e-6
+  shape, touched = mxfp4["shape"], mxfp4["touched_experts"]
+  io = shape["M"] * (shape["K"] + shape["N"]) * 2
+  assert mxfp4["floor_bytes"] == touched * shape["N"] * shape["K"] * 17 // 32 + io
+  assert recs["xla"]["floor_bytes"] == touched * shape["N"] * shape["K"] * 2 + io
 
 
 def costs_records(module: str, tmp_path) -> list[dict]:
