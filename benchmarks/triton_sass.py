@@ -13,7 +13,7 @@ matmul"). Needs the package, which k3jax does not require:
   python3 -m benchmarks.triton_sass --configs=n32_shift,n32_ptx --m=1 --k=3584 --n=3072
   python3 -m benchmarks.triton_sass --configs=n64_ptx --groups=8 --m=16 --keep_dir=/tmp/sass
 
-Prints one line per config and, with --out, writes the counts as JSON records.
+Prints one line per config and, with --sass_out, writes the counts as JSON records.
 """
 import collections
 import json
@@ -42,7 +42,8 @@ _GROUPS = flags.DEFINE_integer("groups", 1, "Experts: 1 is the dense matmul, mor
                                "one with equal groups.")
 _ARCH = flags.DEFINE_integer("arch", 90, "Compute capability to compile for (90: sm_90a).")
 _KEEP = flags.DEFINE_string("keep_dir", None, "Keep each config's .ttir / .ptx / .sass here.")
-_OUT = flags.DEFINE_string("out", None, "Write the counts to this JSON file.")
+# Not "out": the tests import this module beside other benchmarks that define it.
+_OUT = flags.DEFINE_string("sass_out", None, "Write the counts to this JSON file.")
 
 
 def triton_modules(lowered) -> list[tuple[str, dict, str]]:
@@ -85,17 +86,21 @@ def lower(cfg: mx_triton.Config | None, m: int, k: int, n: int, groups: int):
 
 
 def sass_counts(sass: str) -> dict:
-  """Instructions of a cuobjdump listing: in all, in the body of its last backward branch's loop
-  (the K loop), and that body's opcodes."""
+  """Instructions of a cuobjdump listing: in all, in the K loop's body (the largest innermost
+  loop: a backward branch's span holding no other), and that body's opcodes."""
   lines = [l for l in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", l)]
   addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", l).group(1), 16) for l in lines]
   ops = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", l).split()[0].rstrip(";")
          for l in lines]
-  body = []
+  spans = []
   for i, line in enumerate(lines):
     branch = re.search(r"\bBRA\s+(?:0x)?([0-9a-f]+)", line)
     if branch and int(branch.group(1), 16) in addr and int(branch.group(1), 16) < addr[i]:
-      body = ops[addr.index(int(branch.group(1), 16)):i + 1]
+      spans.append((addr.index(int(branch.group(1), 16)), i + 1))
+  inner = [(a, b) for a, b in spans
+           if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
+  start, end = max(inner, key=lambda span: span[1] - span[0], default=(0, 0))
+  body = ops[start:end]
   opcodes = collections.Counter(op.split(".")[0] for op in body)
   return dict(sass_instructions=len(ops), loop_instructions=len(body),
               loop_opcodes=dict(opcodes.most_common()))

@@ -310,9 +310,13 @@ def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
   assert params == dict(num_warps=4, num_stages=4, grid_x=96, grid_y=1, grid_z=1)
   assert "tt.func" in text and "tt.dot" in text and "mul.rn.bf16x2" in text
   assert "loc(" not in text
+  # An outer loop (0x10-0x60) around the K loop (0x20-0x50), then a shorter loop (0x80-0x90):
+  # the largest innermost one counts.
   listing = "\n".join(f"        /*{a:04x}*/  {op} ;  /* 0x0 */" for a, op in [
-      (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "LDS R2, [R0]"), (0x20, "LOP3.LUT R3, R2"),
-      (0x30, "HMUL2 R4, R3, R5"), (0x40, "@P0 BRA 0x10"), (0x50, "EXIT")])
+      (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "IADD3 R9, R9, 0x1"), (0x20, "LDS R2, [R0]"),
+      (0x30, "LOP3.LUT R3, R2"), (0x40, "HMUL2 R4, R3, R5"), (0x50, "@P0 BRA 0x20"),
+      (0x60, "@P1 BRA 0x10"), (0x70, "MOV R2, RZ"), (0x80, "STG.E [R6], R2"),
+      (0x90, "@P2 BRA 0x80"), (0xa0, "EXIT")])
   assert triton_sass.sass_counts(listing) == dict(
-      sass_instructions=6, loop_instructions=4, loop_opcodes={"LDS": 1, "LOP3": 1, "HMUL2": 1,
-                                                              "BRA": 1})
+      sass_instructions=11, loop_instructions=4, loop_opcodes={"LDS": 1, "LOP3": 1, "HMUL2": 1,
+                                                               "BRA": 1})
