@@ -18,7 +18,7 @@ Rows (implementation):
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
 that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
 touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
-the Mosaic GPU interpreter (CPU tests), wall clock.
+the Mosaic GPU and Pallas interpreters (CPU tests; "mxfp4" on the Triton tier), wall clock.
 
   python3 -m benchmarks.moe_decode_gemm --out=$OUT/moe_decode_h200.json
 """
@@ -47,6 +47,8 @@ SHAPES = {"k3_small_gate_up": (64, 512, 1024, 8), "k3_small_down": (64, 512, 512
 BATCHES = (1, 16)
 TOY_SHAPES = {"toy": (16, 128, 256, 4)}
 TOY_BATCHES = (2,)
+MXFP4_TOY_IMPL = "triton"        # --toy: the Triton tier in its interpreter (CPU's default is
+                                 # the reference the row is checked against)
 L2_BYTES = 50 * 2 ** 20          # H200
 TRACED_CALLS = 40
 KEY_FIELDS = ("op", "implementation", "shape", "device")
@@ -68,7 +70,8 @@ def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
       "swapped": (lambda x, w, gs: mosaic_gpu.gmm(x, w, gs, interpret=toy, config=swapped),
                   swapped),
       "xla": (lambda x, w, gs: jax.lax.ragged_dot(x, w, gs), None),
-      "mxfp4": (lambda x, w, gs: mxfp4_ragged_dot(x, *w, gs, interpret=toy), None),
+      "mxfp4": (lambda x, w, gs: mxfp4_ragged_dot(x, *w, gs, impl=MXFP4_TOY_IMPL if toy else None,
+                                                  interpret=toy), None),
   }
 
 
@@ -93,11 +96,10 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
   io_bytes = m * (k + n) * 2
   floors = {"bf16": touched * k * n * 2 + io_bytes,
             "mxfp4": touched * n * (k // 2 + k // mx.BLOCK) + io_bytes}
-  floor_bytes = floors["bf16"]
-  floor_ms = None if copy is None else floor_bytes / (copy * 1e12) * 1e3
+  floor_ms = lambda nbytes: None if copy is None else round(nbytes / (copy * 1e12) * 1e3, 4)
   shape = dict(name=name, G=g, M=m, K=k, N=n, B=batch, top_k=top_k)
   base = dict(op="moe_decode_gemm", shape=shape, dtype="bfloat16", touched_experts=touched,
-              floor_bytes=floor_bytes, floor_ms=None if floor_ms is None else round(floor_ms, 4),
+              floor_bytes=floors["bf16"], floor_ms=floor_ms(floors["bf16"]),
               device=common.device_name(), date=common.today(), commit=common.code_commit(),
               versions=common.versions(), xla_flags=os.environ.get("XLA_FLAGS", ""))
   records, outputs = [], {}
@@ -110,11 +112,9 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
       p = plan(x, weights[0], sizes, impl="mosaic_gpu", interpret=toy)
       rec.update(tier=p.forward, note="; ".join(r for _, _, r in p.declined))
     if kind == "mxfp4":
-      p = mxfp4_plan(x, *ws[0], sizes, interpret=toy)
-      floor_ms = None if copy is None else floors[kind] / (copy * 1e12) * 1e3
+      p = mxfp4_plan(x, *ws[0], sizes, impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
       rec.update(tier=p.impl, note="; ".join(f"{t}: {r}" for t, r in p.declined),
-                 floor_bytes=floors[kind],
-                 floor_ms=None if floor_ms is None else round(floor_ms, 4))
+                 floor_bytes=floors[kind], floor_ms=floor_ms(floors[kind]))
     if isinstance(cfg, str):
       rec.update(error=cfg)
       print(f"{name} B{batch} {impl}: declined ({cfg})", flush=True)

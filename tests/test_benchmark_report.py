@@ -101,8 +101,8 @@ def test_mxfp4_matmul_table(tmp_path):
   lines = report.mxfp4_matmul(tmp_path).splitlines()
   # The newest record of each row, dense before grouped; the tier Hopper's dispatch picks at
   # each shape (reference below 8 dense rows, unpacked above 16; grouped triton up to 8 rows per
-  # expert, the kernel below 128, else unpacked) against bf16; variants of our kernel left out; the Triton
-  # kernel's fastest config.
+  # expert, the kernel below 128, else unpacked) against bf16; variants of our kernel left out;
+  # the Triton kernel's fastest config.
   assert lines[2:] == [
       "| `mxfp4_matmul` M1 K64 N32 G1 | 20.0 | 15.0 (n32) | 12.0 | 10.0 | 8.0 | reference: 0.80x "
       "| 0.50 (12%) |",

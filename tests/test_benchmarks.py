@@ -131,8 +131,8 @@ def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_pat
   assert recs["ws"]["tier"] == "xla" and "below" in recs["ws"]["note"]   # 8 rows: declined
   assert "kernel='swapped'" in recs["swapped"]["config"]
   assert recs["swapped"]["rel_l2_vs_xla"] < 1e-2
-  mxfp4 = recs["mxfp4"]          # the packed experts through the platform's default tier
-  assert mxfp4["tier"] == "reference" and mxfp4["rel_l2_vs_reference"] < 1e-6
+  mxfp4 = recs["mxfp4"]          # the packed experts, --toy: the Triton tier interpreted
+  assert mxfp4["tier"] == "triton" and mxfp4["rel_l2_vs_reference"] < 1e-2
   shape, touched = mxfp4["shape"], mxfp4["touched_experts"]
   io = shape["M"] * (shape["K"] + shape["N"]) * 2
   assert mxfp4["floor_bytes"] == touched * shape["N"] * shape["K"] * 17 // 32 + io
