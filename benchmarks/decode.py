@@ -34,7 +34,8 @@ loop of steps, a prefill chunk), each far longer than the ~0.07 ms below which a
 measures JAX's dispatch and a trace (`common.device_ms`) would be needed. Cached calls run the
 layers unrolled (`K3ForCausalLM.hidden_states`), so a step reads each weight in place, once.
 `--decode_attention_impl` picks the MLA layers' decode attention tier
-(recorded with the tier that ran). Records are merged into `--out` after each L.
+(recorded with the tier that ran); `--expert_format=mxfp4` holds the routed experts packed, as
+K3 serves them (random codes; the floor counts the packed bytes). Records are merged into `--out` after each L.
 `--profile_dir=DIR` traces one decode loop per (variant, B) at the first context: device time
 per kernel, then per part of the model (`benchmarks/step_parts.py`, with the kernels of each
 part in the compiled loop; DIR/VARIANT_BB/parts.json).
@@ -61,6 +62,7 @@ from benchmarks import common
 from benchmarks import step_parts
 from k3jax import config as config_lib
 from k3jax import generate
+from k3jax import latent_moe
 from k3jax.model import K3ForCausalLM
 from pallas_kernels import decode_attention
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
@@ -90,21 +92,27 @@ _SWAPPED_GMM = flags.DEFINE_bool(
     "swapped_gmm", False, "Run ragged_dot's calls with few rows per group (M <= 8 G) on the "
     "\"swapped\" Mosaic GPU kernel (sets pallas_kernels.ragged_dot.mosaic_gpu."
     "SWAPPED_IS_DEFAULT before the model is built; recorded as moe_kernels).")
+_EXPERT_FORMAT = flags.DEFINE_enum(
+    "expert_format", "float", latent_moe.EXPERT_FORMATS,
+    "model.moe.expert_format: \"mxfp4\" holds the routed experts packed (random E2M1 codes, "
+    "E8M0 scales 2^-7..2^0) and runs them through pallas_kernels.mxfp4_matmul.")
 _PREFILL = flags.DEFINE_bool("prefill", True, "Compile and time the prefill chunks (off: decode "
                              "only, prefill fields null).")
 CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
 TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=6, chunk_tokens=32)
 KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "moe_decode_experts",
-              "moe_kernels", "xla_flags", "device")
+              "moe_kernels", "expert_format", "xla_flags", "device")
 
 
 def variant_config(name: str, toy: bool, decode_attention_impl: str = "",
-                   moe_decode_experts: str = "", gate_up_impl: str = ""):
+                   moe_decode_experts: str = "", gate_up_impl: str = "",
+                   expert_format: str = "float"):
   """The config of a variant: k3_small (toy: k3_tiny with 2 layers) with bf16 parameters and no
   MTP layer, its layer pattern as `name` says."""
   overrides = {"model.param_dtype": "bfloat16", "model.mtp_num_layers": 0,
-               "kernels.decode_attention_impl": decode_attention_impl}
+               "kernels.decode_attention_impl": decode_attention_impl,
+               "model.moe.expert_format": expert_format}
   if moe_decode_experts:
     overrides["kernels.moe_decode_experts"] = moe_decode_experts
   if gate_up_impl:
@@ -119,6 +127,17 @@ def variant_config(name: str, toy: bool, decode_attention_impl: str = "",
   if name not in pattern:
     raise ValueError(f"variant must be one of {sorted(pattern)}, got {name!r}")
   return config_lib.override(cfg, {"model.full_attn_layers": pattern[name]})
+
+
+def randomize_packed_experts(model: K3ForCausalLM, key: jax.Array) -> None:
+  """Random E2M1 codes and E8M0 scales (2^-7..2^0) in every packed routed expert, in place
+  (a model built with expert_format="mxfp4" starts with zeros)."""
+  flat = nnx.to_flat_state(nnx.state(model, latent_moe.PackedExperts))
+  for i, (path, var) in enumerate(flat):
+    k = jax.random.fold_in(key, i)
+    x = var.get_value()
+    lo, hi = (0, 256) if str(path[-1]).endswith("_packed") else (120, 128)
+    var.set_value(jax.random.randint(k, x.shape, lo, hi, jnp.int32).astype(x.dtype))
 
 
 def copy_tbps(toy: bool) -> float:
@@ -147,13 +166,13 @@ def weight_bytes_per_step(model: K3ForCausalLM, batch: int) -> float:
   moe = model.cfg.moe
   share = 1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch if moe.num_experts else 1
   total = 0.0
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+  for path, var in nnx.to_flat_state(nnx.state(model, (nnx.Param, latent_moe.PackedExperts))):
     names = [str(k) for k in path]
     x = var.get_value()
     nbytes = x.size * x.dtype.itemsize
     if names[0] == "embed_tokens":
       nbytes = batch * x.shape[-1] * x.dtype.itemsize
-    elif "experts" in names and names[-1] in ("w1", "w2", "w3"):
+    elif "experts" in names and names[-1].split("_")[0] in latent_moe.EXPERT_WEIGHTS:
       nbytes *= share
     total += nbytes
   return total
@@ -331,6 +350,7 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                floor_fraction=round(floor / tpot, 3) if tpot > 0 else None,
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
                moe_decode_experts=moe_choice, moe_kernels=moe_kernels(),
+               expert_format=None if _EXPERT_FORMAT.value == "float" else _EXPERT_FORMAT.value,
                xla_flags=os.environ.get("XLA_FLAGS", ""),
                timing="wall_once" if toy else "wall", device=common.device_name(),
                date=common.today(), commit=common.code_commit(), versions=common.versions())
@@ -339,7 +359,7 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     log(f"L={context:<6d} tpot {tpot:8.3f} ms (floor {floor:.3f} ms; a call's overhead "
         f"{rec['call_overhead_ms']:.1f} ms)  "
         f"{prefill_note}cache/seq {rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  "
-        f"[{tier or 'no MLA'}, {rec['moe_decode_experts']} experts]")
+        f"[{tier or 'no MLA'}, {rec['moe_decode_experts']} {_EXPERT_FORMAT.value} experts]")
     common.merge_records(_OUT.value, [rec], KEY_FIELDS)
 
 
@@ -364,9 +384,10 @@ def main(argv):
   print(f"device {common.device_name()}: copy {copy:.2f} TB/s", flush=True)
   for name in _VARIANTS.value:
     cfg = variant_config(name, toy, _DECODE_ATTENTION_IMPL.value, _MOE_DECODE_EXPERTS.value,
-                         _GATE_UP_IMPL.value)
+                         _GATE_UP_IMPL.value, _EXPERT_FORMAT.value)
     # Eagerly: jitted, the hybrid's initialisation sat in XLA's GPU backend for minutes.
     model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
+    randomize_packed_experts(model, jax.random.key(1))
     for batch in batches:
       run_batch(name, model, batch, contexts, new_tokens, chunk_tokens, copy, toy)
     del model
