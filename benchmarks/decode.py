@@ -35,7 +35,8 @@ measures JAX's dispatch and a trace (`common.device_ms`) would be needed. Cached
 layers unrolled (`K3ForCausalLM.hidden_states`), so a step reads each weight in place, once.
 `--decode_attention_impl` picks the MLA layers' decode attention tier
 (recorded with the tier that ran); `--expert_format=mxfp4` holds the routed experts packed, as
-K3 serves them (random codes; the floor counts the packed bytes). Records are merged into `--out` after each L.
+K3 serves them (random codes; the floor counts the packed bytes). Records are merged into
+`--out` after each L.
 `--profile_dir=DIR` traces one decode loop per (variant, B) at the first context: device time
 per kernel, then per part of the model (`benchmarks/step_parts.py`, with the kernels of each
 part in the compiled loop; DIR/VARIANT_BB/parts.json).
