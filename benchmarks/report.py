@@ -80,7 +80,8 @@ class Results:
         continue
       key = {k: v for k, v in r.items()
              if v is not None and k in (
-                 "implementation", "variant", "moe_decode_experts", "moe_kernels", "pass",
+                 "implementation", "variant", "moe_decode_experts", "moe_kernels",
+                 "expert_format", "pass",
                  "shape", "B", "T", "H", "config", "tokens",
                  "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
                  "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu")}
@@ -422,10 +423,11 @@ def decode_attention(root: pathlib.Path) -> str:
 
 def decode(root: pathlib.Path) -> str:
   """k3_small's decode loop against its all-MLA and KDA-only twins by (B, context), with the
-  default MoE kernels (records of `--swapped_gmm` / `--gate_up_impl` runs left out)."""
+  default MoE kernels (records of `--swapped_gmm` / `--gate_up_impl` runs left out); runs with
+  the routed experts packed (`--expert_format=mxfp4`) in rows of their own."""
   res = Results(root, "decode_h200.json")
   keep = [r for r in res.current("decode", moe_kernels=None) if r.get("tpot_ms")]
-  key_of = lambda r: (r["shape"]["B"], r["shape"]["context"])
+  key_of = lambda r: (r.get("expert_format") or "", r["shape"]["B"], r["shape"]["context"])
   at = {(key_of(r), r["variant"]): r for r in keep}
   variants = ("hybrid", "all_mla", "kda_only")
   body = []
@@ -441,7 +443,8 @@ def decode(root: pathlib.Path) -> str:
     cells += [f"{hybrid['decode_tokens_per_s']:.0f}", f"{prefill:.0f}" if prefill else "",
               f"{hybrid['cache_bytes_per_seq'] / 2**20:.1f}"] if hybrid else ["", "", ""]
     cells.append(f"{mla['cache_bytes_per_seq'] / 2**20:.1f}" if mla else "")
-    body.append([f"B {key[0]}, context {key[1]}"] + cells)
+    experts = f", {key[0].upper()} experts" if key[0] else ""
+    body.append([f"B {key[1]}, context {key[2]}{experts}"] + cells)
   header = ["per output token, ms (floor)", "k3_small (3 KDA : 1 MLA)", "all-MLA twin",
             "KDA-only twin", "all-MLA / k3_small", "k3_small / floor", "k3_small decode tok/s",
             "k3_small prefill tok/s", "k3_small cache MiB/seq", "all-MLA cache MiB/seq"]
