@@ -1,7 +1,10 @@
 """Tier order and choice shared by the ops whose reference tier is "xla" (ragged_dot, top_k,
-moe_gate_up)."""
+moe_gate_up), and the addressing limit every Pallas Triton tier declines by."""
 import dataclasses
+import math
 from typing import Callable
+
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,3 +37,20 @@ def first_supported(names: tuple[str, ...], reason_of: Callable[[str], str | Non
       return Plan(name, tuple(declined), interpret)
     declined.append((name, reason))
   raise AssertionError("the xla tier takes every call")
+
+
+def triton_offsets_reason(**arrays) -> str | None:
+  """Why a Pallas Triton kernel (jax 0.11.2) would address one of `arrays` (arrays or
+  ShapeDtypeStructs, by name) wrongly, or None.
+
+  Its lowering computes element offsets in 32 bits for an array of up to 2^32 bytes and in 64
+  bits above, and Triton sign-extends 32-bit offsets: an array of more than 2^31 and at most
+  2^32 bytes is read at wrapped addresses past its first 2 GiB (the MXFP4 grouped kernel's
+  lowered module: i32 offsets for 256 experts of K3's gate/up, 2.8 GB, i64 for 896; on the
+  H200 that call's output was 75% off the reference)."""
+  for name, a in arrays.items():
+    nbytes = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+    if 2 ** 31 < nbytes <= 2 ** 32:
+      return (f"{name} holds {nbytes} bytes, in (2 GiB, 4 GiB]: Pallas Triton's 32-bit "
+              f"offsets, sign-extended, would wrap past 2 GiB")
+  return None

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from pallas_kernels import tiers
 from pallas_kernels.ragged_dot import mosaic_gpu
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -57,6 +58,8 @@ def default_config(k: int, f: int) -> Config:
 def supports(x, rows, w1, w3, group_sizes, *, interpret: bool = False,
              config: Config | None = None) -> str | None:
   """None if the kernel takes the call (arrays or ShapeDtypeStructs), else the reason."""
+  if not interpret and (reason := tiers.triton_offsets_reason(x=x, rows=rows, w1=w1, w3=w3)):
+    return reason
   if not interpret and not plgpu_triton.is_gpu_device():
     return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"
   if len({jnp.dtype(a.dtype) for a in (x, w1, w3)}) != 1 or jnp.dtype(x.dtype) not in DTYPES:

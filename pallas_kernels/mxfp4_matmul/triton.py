@@ -80,6 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 import jax.numpy as jnp
 
+from pallas_kernels import tiers
 from pallas_kernels.mxfp4_matmul import reference
 
 BLOCK = 32                      # elements per E8M0 scale along K
@@ -207,6 +208,8 @@ def check_config(cfg: Config, k: int, n: int) -> str | None:
 
 def _supports(x, w_packed, groups: int, preferred_element_type, interpret: bool,
               config: Config | None) -> str | None:
+  if not interpret and (reason := tiers.triton_offsets_reason(x=x, w_packed=w_packed)):
+    return reason
   if not interpret and not is_gpu():
     return (f"needs an NVIDIA GPU of compute capability >= 8.0 or interpret=True, the default "
             f"device is {_device_kind()}")

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from pallas_kernels import tiers
+
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_COLS = 1024          # E_pad * R values (keys and taken flags) live in registers
 BLOCK_ELEMENTS = 1024    # R * E_pad per program for the default R
@@ -48,6 +50,8 @@ def default_num_warps(num_cols: int) -> int:
 
 def supports(x, k: int, *, interpret: bool = False) -> str | None:
   """None if the kernel takes top-k of x (an array or ShapeDtypeStruct), else the reason."""
+  if not interpret and (reason := tiers.triton_offsets_reason(x=x)):
+    return reason
   if not interpret and not is_gpu():
     return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"
   if len(x.shape) != 2:

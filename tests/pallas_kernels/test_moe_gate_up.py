@@ -127,6 +127,12 @@ def test_plan_and_fallback():
   bad = triton.Config(block_m=24)
   p = moe_gate_up.plan(x, rows, w1, w3, gs, impl="triton", interpret=True, config=bad)
   assert p.impl == "xla" and "power of two" in p.declined[0][1]
+  # 384 experts of 1024 x 4096 bf16 (3 GiB): Pallas Triton's 32-bit offsets would wrap
+  sds = jax.ShapeDtypeStruct
+  big = sds((384, 1024, 4096), jnp.bfloat16)
+  p = moe_gate_up.plan(sds((20, 1024), jnp.bfloat16), rows, big, big, sds((384,), jnp.int32),
+                       impl="triton")
+  assert p.impl == "xla" and "w1 holds" in p.declined[0][1]
 
 
 def test_bad_arguments_raise():

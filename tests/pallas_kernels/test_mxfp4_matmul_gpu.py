@@ -284,3 +284,22 @@ def test_triton_every_candidate_config(name):
       x, packed, scale, gs)
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
   np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(SIZES[m]):], 0.0)
+
+
+def test_ragged_dot_weights_between_2_and_4_gib():
+  """65 experts of N 4096 x K 16384 (2.18 GB packed): the triton tier declines them (Pallas
+  Triton's sign-extended 32-bit offsets would wrap past 2 GiB, `tiers.triton_offsets_reason`),
+  and the tier the default plan runs instead matches the reference on the rows of the first
+  and the last expert, whose bytes start past 2 GiB."""
+  g, n, k = 65, 4096, 16384
+  kx, kp, ks = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(kx, (16, k), jnp.float32).astype(jnp.bfloat16)
+  packed = jax.random.bits(kp, (g, n, k // 2), jnp.uint8)
+  scale = jax.random.randint(ks, (g, n, k // 32), 118, 127, jnp.int32).astype(jnp.uint8)
+  gs = jnp.asarray([8] + [0] * (g - 2) + [8], jnp.int32)
+  p = plan_ragged_dot(x, packed, scale, gs)
+  assert "w_packed holds" in dict(p.declined)["triton"], p
+  out = jax.jit(mxfp4_ragged_dot)(x, packed, scale, gs)
+  for rows, e in ((slice(0, 8), 0), (slice(8, 16), g - 1)):
+    ref = reference.matmul(x[rows], packed[e], scale[e], preferred_element_type=jnp.float32)
+    assert rel_err(out[rows], ref) < BF16_TOL, (p.impl, e)

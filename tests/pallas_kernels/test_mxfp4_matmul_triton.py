@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from benchmarks import triton_sass
+from pallas_kernels import tiers
 from k3jax import mx
 from mxfp4_testing import NIBBLE
 from mxfp4_testing import dequantize
@@ -248,6 +249,26 @@ def test_plan_routes_and_declines_with_reasons():
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
   with pytest.raises(NotImplementedError, match="K=288 is not a multiple of 64"):
     triton.matmul(x[:, :288], packed[:, :144], scale[:, :9], interpret=True)
+
+
+def test_weights_between_2_and_4_gib_are_declined():
+  """Pallas Triton addresses arrays of (2^31, 2^32] bytes with sign-extended 32-bit offsets
+  (`tiers.triton_offsets_reason`): such a weight is declined on the GPU path with the reason,
+  the interpreter (no such offsets) takes it, and a weight past 4 GiB (64-bit offsets) is
+  not declined for its size. Shapes only: nothing of that size is allocated."""
+  s = jax.ShapeDtypeStruct
+  x, gs = s((256, 3584), jnp.bfloat16), s((256,), jnp.int32)
+  for experts, declined in ((256, True), (128, False), (896, False)):
+    packed, scale = s((experts, 6144, 1792), jnp.uint8), s((experts, 6144, 112), jnp.uint8)
+    reason = triton.supports_ragged_dot(x, packed, scale, gs) or ""
+    assert ("w_packed holds" in reason) == declined, (experts, reason)
+    assert triton.supports_ragged_dot(x, packed, scale, gs, interpret=True) is None
+  u8 = lambda n: s((n,), jnp.uint8)
+  for nbytes, declined in ((2 ** 31, False), (2 ** 31 + 1, True), (2 ** 32, True),
+                           (2 ** 32 + 1, False)):
+    assert (tiers.triton_offsets_reason(w=u8(nbytes)) is not None) == declined, nbytes
+  reason = tiers.triton_offsets_reason(x=s((2 ** 20, 2 ** 10), jnp.float32))
+  assert reason.startswith("x holds 4294967296 bytes"), reason
 
 
 def test_bad_configs_are_refused():

@@ -114,6 +114,8 @@ def test_dispatch():
   assert "k = 65" in triton.supports(sds(4, 64), 65, interpret=True)
   assert "int32" in triton.supports(sds(4, 64, dt=jnp.int32), 8, interpret=True)
   assert triton.supports(sds(4, 1024), 1024, interpret=True) is None
+  # 2^21 rows of 512 fp32 logits (4 GiB): Pallas Triton's 32-bit offsets would wrap
+  assert "x holds" in triton.supports(sds(2 ** 21, 512), 8)
 
 
 @pytest.mark.parametrize("x,k,match", [
