@@ -12,7 +12,8 @@ Rows (implementation):
 - "swapped": the "swapped" kernel (`mosaic_gpu.swapped_config`: weights on wgmma's 64-row side);
 - "xla": `jax.lax.ragged_dot`;
 - "mxfp4": the same experts packed as MXFP4 (the checkpoint's layout, `k3jax.mx.pack_k3` of
-  each W_g^T) through `mxfp4_ragged_dot` at the platform's default tier (`tier` records which);
+  each W_g^T) through `mxfp4_ragged_dot` at the platform's default tier (`tier` records which),
+  gate/up as two calls on W1 and W3 (N / 2 each), as the model runs packed experts;
   its floor counts the packed bytes (4.25 bits a weight), its error is against the MXFP4
   reference tier (`rel_l2_vs_reference`), not bf16 XLA.
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
@@ -46,7 +47,7 @@ _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, the kernels
 SHAPES = {"k3_small_gate_up": (64, 512, 1024, 8), "k3_small_down": (64, 512, 512, 8),
           "k3_gate_up": (None, 3584, 6144, 16), "k3_down": (None, 3072, 3584, 16)}
 BATCHES = (1, 16)
-TOY_SHAPES = {"toy": (16, 128, 256, 4)}
+TOY_SHAPES = {"toy_gate_up": (16, 128, 256, 4)}   # W1 | W3: two packed calls
 TOY_BATCHES = (2,)
 MXFP4_TOY_IMPL = "triton"        # --toy: the Triton tier in its interpreter (CPU's default is
                                  # the reference the row is checked against)
@@ -71,8 +72,9 @@ def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
       "swapped": (lambda x, w, gs: mosaic_gpu.gmm(x, w, gs, interpret=toy, config=swapped),
                   swapped),
       "xla": (lambda x, w, gs: jax.lax.ragged_dot(x, w, gs), None),
-      "mxfp4": (lambda x, w, gs: mxfp4_ragged_dot(x, *w, gs, impl=MXFP4_TOY_IMPL if toy else None,
-                                                  interpret=toy), None),
+      "mxfp4": (lambda x, parts, gs: jnp.concatenate(
+          [mxfp4_ragged_dot(x, *w, gs, impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
+           for w in parts], axis=1), None),
   }
 
 
@@ -110,7 +112,10 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
   copies = 1 if toy else max(2, -(-2 * L2_BYTES // weight_bytes))
   weights = [(0.02 * jax.random.normal(jax.random.key(c), (g, k, n), jnp.float32)
               ).astype(jnp.bfloat16) for c in range(copies)]
-  weight_sets = {"bf16": weights, "mxfp4": [packed(w) for w in weights]}
+  halves = 2 if name.endswith("gate_up") else 1          # packed W1 and W3 apart
+  weight_sets = {"bf16": weights,
+                 "mxfp4": [tuple(packed(h) for h in jnp.split(w, halves, axis=2))
+                           for w in weights]}
   io_bytes = m * (k + n) * 2
   floors = {"bf16": touched * k * n * 2 + io_bytes,
             "mxfp4": touched * n * (k // 2 + k // mx.BLOCK) + io_bytes}
@@ -130,7 +135,7 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
       p = plan(x, weights[0], sizes, impl="mosaic_gpu", interpret=toy)
       rec.update(tier=p.forward, note="; ".join(r for _, _, r in p.declined))
     if kind == "mxfp4":
-      p = mxfp4_plan(x, *ws[0], sizes, impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
+      p = mxfp4_plan(x, *ws[0][0], sizes, impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
       rec.update(tier=p.impl, note="; ".join(f"{t}: {r}" for t, r in p.declined),
                  floor_bytes=floors[kind], floor_ms=floor_ms(floors[kind]))
     if isinstance(cfg, str):
@@ -154,7 +159,8 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
   for rec in records:
     impl = rec["implementation"]
     if impl == "mxfp4" and impl in outputs:
-      want = reference_output(x, *weight_sets["mxfp4"][0], sizes)
+      want = jnp.concatenate([reference_output(x, *w, sizes)
+                              for w in weight_sets["mxfp4"][0]], axis=1)
       rec["rel_l2_vs_reference"] = rel(outputs[impl], want)
     elif impl in outputs and impl != "xla":
       rec["rel_l2_vs_xla"] = rel(outputs[impl], outputs["xla"])

@@ -86,13 +86,6 @@ def expert_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
   return ragged_dot(x, w, group_sizes)
 
 
-def gate_up_weight(w1: ExpertWeight, w3: ExpertWeight) -> ExpertWeight:
-  """[W1 | W3] on the output axis: [E, l, 2m], or packed [E, 2m, l/2] (scales alike)."""
-  if isinstance(w1, PackedWeight):
-    return PackedWeight(*(jnp.concatenate([a, b], axis=1) for a, b in zip(w1, w3)))
-  return jnp.concatenate([w1, w3], axis=2)
-
-
 def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
           routed_scaling_factor: float, norm_topk_prob: bool, *, return_cutoffs: bool = False
           ) -> tuple[jax.Array, ...]:
@@ -341,9 +334,14 @@ fused_gate_up.defvjp(_fused_gate_up_fwd, _fused_gate_up_bwd)
 def expert_gate_up(xs: jax.Array, w1: ExpertWeight, w3: ExpertWeight, group_sizes: jax.Array,
                    beta1: float, beta2: float,
                    ragged_dot: RaggedDot = jax.lax.ragged_dot) -> jax.Array:
-  """SiTU(xs W1, xs W3) on rows grouped by expert: xs [M, l] -> h [M, m] (Eq. 11); W1 and W3
-  run as one grouped matmul on [W1 | W3] (`gate_up_weight`)."""
-  gate_up = expert_matmul(xs, gate_up_weight(w1, w3), group_sizes, ragged_dot)
+  """SiTU(xs W1, xs W3) on rows grouped by expert: xs [M, l] -> h [M, m] (Eq. 11). Float W1
+  and W3 run as one grouped matmul on [W1 | W3]; packed ones as two (a concatenation of the
+  packed experts would copy them on every call, or, hoisted out of the decode loop by XLA,
+  hold them twice: 9.9 GB a layer for K3's 896)."""
+  if isinstance(w1, PackedWeight):
+    gate_up = jnp.concatenate([expert_matmul(xs, w, group_sizes) for w in (w1, w3)], axis=1)
+  else:
+    gate_up = expert_matmul(xs, jnp.concatenate([w1, w3], axis=2), group_sizes, ragged_dot)
   return situ_lib.situ_gate_up(gate_up, beta1, beta2)
 
 
