@@ -35,7 +35,8 @@ def matmul(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array, *,
   """x [M, K] @ W^T -> [M, N], W from (w_packed [N, K/2], w_scale [N, K/32])."""
   del interpret
   # Straight to the output dtype: the GEMM sums in fp32 and rounds once, as an fp32 result
-  # then cast would, without writing and reading [M, N] in fp32 (~25 us at M 4096).
+  # then cast would, without writing and reading [M, N] in fp32 (H200, M 4096: 128.2 -> 125.2
+  # us at K3's w1 / w3 shape, 143.7 -> 125.0 at w2's).
   return jnp.dot(x, _unpacked(w_packed, w_scale, x.dtype, transpose=False).T,
                  preferred_element_type=reference.out_dtype(x, preferred_element_type))
 
