@@ -7,8 +7,11 @@ tier that declines is reported with its reason, not timed), and "cudnn_own":
 `jax.nn.dot_product_attention(implementation="cudnn")`, causal without documents, v
 zero-padded to 192 (JAX's wrapper requires equal head dims), and "cudnn_unpacked": our cudnn
 tier on the same call without documents (its like-for-like against cudnn_own). Median wall ms
-of back-to-back calls (`common.time_jax`). `python3 -m benchmarks.attention --out=$OUT/attention.json`;
-`--smoke` runs toy shapes once on any platform (CI).
+of back-to-back calls (`common.time_jax`). The kernel tiers' max logit for QK-Clip alone (op
+"mla_max_logit", pass "max_logit"): the Pallas Triton kernel ("max_logit_triton", GPU) against
+xla_blockwise's pass ("max_logit_xla_blockwise") on the same packed inputs.
+`python3 -m benchmarks.attention --out=$OUT/attention.json`; `--smoke` runs toy shapes once on
+any platform (CI).
 """
 import jax
 import jax.numpy as jnp
@@ -16,13 +19,15 @@ from absl import app, flags
 
 from benchmarks import common
 from pallas_kernels import attention as attention_op
+from pallas_kernels.attention import max_logit_triton
+from pallas_kernels.attention import xla_blockwise
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/train_h200.json", "Records (JSON list).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Toy shapes, one call each (CI; give --out).")
 _SHAPES = flags.DEFINE_list("shapes", [], "BxTxH shapes (default: SHAPES).")
 _IMPLS = flags.DEFINE_list("impls", [], "Rows to run (default: every tier, and cudnn_own on GPU).")
 SHAPES = ((2, 8192, 8), (1, 8192, 32), (1, 8192, 96))
-SMOKE_SHAPES = ((1, 64, 2),)
+SMOKE_SHAPES = ((1, 128, 2),)   # T: a multiple of the max-logit kernel's block_q
 DK, DV, DOCS = 192, 128, 4
 
 
@@ -46,6 +51,18 @@ def cudnn_own(q, k, v, ids):
 def ours(impl):
   return lambda q, k, v, ids: attention_op.attention(q, k, v, segment_ids=ids, scale=DK ** -0.5,
                                                      impl=impl)
+
+
+def max_logit_rows(smoke: bool) -> dict:
+  """name -> max logit of (q, k, v, ids): the Triton kernel (interpreted with --smoke) and
+  xla_blockwise's pass."""
+  kw = dict(causal=True, scale=DK ** -0.5)
+  return {
+      "max_logit_triton": lambda q, k, v, ids: max_logit_triton.max_logit(
+          q, k, ids, ids, interpret=smoke, **kw),
+      "max_logit_xla_blockwise": lambda q, k, v, ids: xla_blockwise.max_logit(
+          q, k, ids, ids, **kw),
+  }
 
 
 def passes(fn):
@@ -87,6 +104,22 @@ def main(argv):
                             dtype="bfloat16", median_ms=round(ms, 4),
                             device=common.device_name(), date=common.today(),
                             **{"pass": kind}))
+    for name, fn in max_logit_rows(smoke).items():
+      if _IMPLS.value and name not in _IMPLS.value:
+        continue
+      reason = (max_logit_triton.supports(q, k, causal=True, interpret=smoke)
+                if name == "max_logit_triton" else None)
+      if reason:
+        print(f"B={b} T={t} H={h} {name:>24s} declined: {reason}")
+        continue
+      jitted = jax.jit(fn)
+      ms = (common.time_jax_once if smoke else common.time_jax)(jitted, q, k, v, ids)
+      print(f"B={b} T={t} H={h} {name:>24s} {ms:9.3f} ms")
+      records.append(dict(op="mla_max_logit", implementation=name,
+                          shape=dict(B=b, T=t, H=h, Dk=DK, docs=DOCS), dtype="bfloat16",
+                          median_ms=round(ms, 4), device=common.device_name(),
+                          date=common.today(), commit=common.code_commit(),
+                          **{"pass": "max_logit"}))
   common.merge_records(_OUT.value, records, ("op", "implementation", "shape", "pass", "device"))
 
 

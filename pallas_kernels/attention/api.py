@@ -15,7 +15,8 @@ Tiers ("impl"): "reference" (the written-out [B, H, T, S] form: the oracle), "xl
 kernel tier's `supports(...)` returns None or the reason it declines; the first tier of
 `default_impls()` (impl=None) or of [impl, "xla_blockwise"] (a named impl: fail closed) that
 takes the call runs, and every decline is logged with its reason. `plan(...)` returns the
-choice. The max logit of the kernel tiers comes from xla_blockwise's scores-and-max pass.
+choice. The max logit of the kernel tiers comes from one Pallas Triton kernel on a GPU
+(`max_logit_triton`), else (its decline logged) from xla_blockwise's scores-and-max pass.
 """
 import logging
 import types
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import tiers
 from pallas_kernels.attention import cudnn
+from pallas_kernels.attention import max_logit_triton
 from pallas_kernels.attention import mosaic_gpu
 from pallas_kernels.attention import reference
 from pallas_kernels.attention import splash
@@ -112,6 +114,18 @@ def plan(q, k, v, *, segment_ids=None, causal: bool = True, impl: str | None = N
   return tiers.first_supported(_order(impl), reason_of, interpret)
 
 
+def kernel_max_logit(q, k, q_ids, kv_ids, *, causal: bool, scale: float,
+                     interpret: bool = False) -> jax.Array:
+  """The kernel tiers' per-head max logit [H]: `max_logit_triton` where it takes the call,
+  else xla_blockwise's pass (the reason logged)."""
+  reason = max_logit_triton.supports(q, k, causal=causal, interpret=interpret)
+  if reason is None:
+    return max_logit_triton.max_logit(q, k, q_ids, kv_ids, causal=causal, scale=scale,
+                                      interpret=interpret)
+  logging.info("attention: max_logit_triton declined (%s); using xla_blockwise", reason)
+  return xla_blockwise.max_logit(q, k, q_ids, kv_ids, causal=causal, scale=scale)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
               segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
               causal: bool = True, scale: float | None = None, return_max_logit: bool = False,
@@ -154,7 +168,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                                   interpret=interpret)
     if not return_max_logit:
       return o
-    max_logit = xla_blockwise.max_logit(q, k, q_ids, kv_ids, causal=causal, scale=scale)
+    max_logit = kernel_max_logit(q, k, q_ids, kv_ids, causal=causal, scale=scale,
+                                 interpret=interpret)
   if return_max_logit:
     return o, jax.lax.stop_gradient(max_logit)
   return o

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import attention
+from pallas_kernels.attention import max_logit_triton
 from pallas_kernels.attention import plan
 from pallas_kernels.attention import reference
 from pallas_kernels.attention import xla_blockwise
@@ -186,3 +187,63 @@ def test_bad_arguments(kwargs, words):
     attention(x, x, x[:, :4])
   with pytest.raises(ValueError, match="floating"):
     attention(x.astype(jnp.int32), x, x)
+
+
+@pytest.mark.parametrize("causal,kind,dk,s", [(True, None, 192, 256), (True, "shared", 192, 256),
+                                              (False, "separate", 48, 128)])
+def test_max_logit_triton_matches_reference(causal, kind, dk, s):
+  """The Pallas Triton max-logit kernel in its interpreter against the reference: causal and
+  full masks, packed documents with padding, separate q / kv ids with a head whose only
+  visible keys are in one row, head dims of two and three power-of-two chunks."""
+  b, t, h = 2, 256, 3
+  q, k, _, _ = inputs(b, t, s, h, dk, 8, jnp.bfloat16, seed=dk)
+  q_ids = kv_ids = None
+  if kind == "shared":
+    q_ids = kv_ids = jnp.array([[1] * 100 + [2] * 150 + [0] * 6, [0] * 3 + [4] * 253], jnp.int32)
+  elif kind == "separate":
+    q_ids = jnp.array([[1] * 128 + [2] * 128, [3] * 256], jnp.int32)
+    kv_ids = jnp.array([[2] * 64 + [0] * 64, [0] * 127 + [3]], jnp.int32)
+  assert max_logit_triton.chunks(dk) == (((0, 128), (128, 64)) if dk == 192 else
+                                         ((0, 32), (32, 16)))
+  assert max_logit_triton.supports(q, k, causal=causal, interpret=True) is None
+  got = max_logit_triton.max_logit(q, k, q_ids, kv_ids, causal=causal, scale=SCALE,
+                                   interpret=True)
+  up = lambda x: x.astype(jnp.float32)
+  want = reference.attention(up(q), up(k), up(k[..., :8]), q_ids, kv_ids, causal=causal,
+                             scale=SCALE)[1]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_max_logit_triton_declines_with_reasons():
+  s = jax.ShapeDtypeStruct
+  q = s((1, 256, 2, 192), jnp.bfloat16)
+  reasons = {
+      "needs a GPU": max_logit_triton.supports(q, q, causal=True),
+      "bfloat16 or float16": max_logit_triton.supports(s(q.shape, jnp.float32),
+                                                       s(q.shape, jnp.float32), causal=True,
+                                                       interpret=True),
+      "multiple of 16": max_logit_triton.supports(s((1, 256, 2, 40), jnp.bfloat16),
+                                                  s((1, 256, 2, 40), jnp.bfloat16),
+                                                  causal=True, interpret=True),
+      "T = 200 must be a multiple of 128": max_logit_triton.supports(
+          s((1, 200, 2, 192), jnp.bfloat16), s((1, 200, 2, 192), jnp.bfloat16), causal=False,
+          interpret=True),
+      "T = 256 != S = 128": max_logit_triton.supports(q, s((1, 128, 2, 192), jnp.bfloat16),
+                                                      causal=True, interpret=True),
+  }
+  for want, got in reasons.items():
+    assert got is not None and want in got, (want, got)
+
+
+def test_max_logit_triton_lowers_for_h200():
+  """k3_small's call (B 2, T 8192, H 8, D 192, packed ids) lowers to one Triton kernel for an
+  H200, on a CPU host."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  s = jax.ShapeDtypeStruct
+  q, ids = s((2, 8192, 8, 192), jnp.bfloat16), s((2, 8192), jnp.int32)
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert max_logit_triton.supports(q, q, causal=True) is None
+    fn = lambda q, k, i: max_logit_triton.max_logit(q, k, i, i, causal=True, scale=SCALE)
+    text = jax.jit(fn).trace(q, q, ids).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1

@@ -81,3 +81,21 @@ def test_packed_and_unpacked_calls_take_cudnn_by_default():
 
 def test_mosaic_gpu():
   check("mosaic_gpu", 1, 256, 2, 192, 128, jnp.float16, None, False)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_max_logit_triton_matches_reference(causal):
+  """The Pallas Triton max-logit kernel (the kernel tiers' QK-Clip statistic) against the
+  reference at K3's q/k head dim, packed documents with padding, 2048 tokens."""
+  from pallas_kernels.attention import max_logit_triton
+  b, t, h, d = 2, 2048, 4, 192
+  ks = jax.random.split(jax.random.key(3), 2)
+  q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  ids = packed_ids(b, t, 5)
+  assert max_logit_triton.supports(q, k, causal=causal) is None
+  got = max_logit_triton.max_logit(q, k, ids, ids, causal=causal, scale=SCALE)
+  up = lambda x: x.astype(jnp.float32)
+  want = jax.jit(lambda q, k: reference.attention(up(q), up(k), up(k[..., :8]), ids, ids,
+                                                  causal=causal, scale=SCALE)[1])(q, k)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
