@@ -3,7 +3,9 @@
 Forward, dq / dk / dv and the per-head max logit, bf16 (cudnn) and f16 (mosaic_gpu), at K3's
 head dims (q/k 192, v 128): causal, non-causal, a length that is no multiple of 64. The plan
 must pick the tier, so a silent fall-through fails the test. Packed documents (padding id 0)
-go to cudnn as a boolean mask.
+go to cudnn as a boolean mask. The kernel tiers' max logit comes from the Pallas Triton kernel
+(`max_logit_triton`) where T is a multiple of its 128-row block, else from xla_blockwise; the
+kernel is also checked alone at 2048 tokens.
 """
 import jax
 import jax.numpy as jnp
