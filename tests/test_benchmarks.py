@@ -356,3 +356,16 @@ def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
   assert triton_sass.sass_counts(listing) == dict(
       sass_instructions=11, loop_instructions=4, loop_opcodes={"LDS": 1, "LOP3": 1, "HMUL2": 1,
                                                                "BRA": 1})
+
+
+def test_muon_ns_benchmark_times_orthogonalize_and_its_groups(tmp_path):
+  out = tmp_path / "muon.json"
+  run_module("benchmarks.muon_ns", "--toy", f"--out={out}")
+  recs = {r["implementation"]: r for r in records(out)}
+  whole = recs.pop("orthogonalize")
+  assert recs and whole["median_ms"] > 0 and whole["ns_dtype"] == "bfloat16"
+  for name, r in recs.items():
+    b, m, n = (int(v) for v in name.removeprefix("ns_").split("x"))
+    assert (r["blocks"], r["m"], r["n"]) == (b, m, n) and m <= n
+    assert r["tflop"] == round(b * 5 * (4 * m * m * n + 2 * m ** 3) / 1e12, 3)
+  assert sum(r["tflop"] for r in recs.values()) <= whole["tflop"] + 1e-3
