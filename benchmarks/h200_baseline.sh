@@ -32,6 +32,8 @@
 #                                                          # compiled cold without, then with the
 #                                                          # Mosaic GPU kernels prebuilt
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
+#   bash benchmarks/h200_baseline.sh muon                  # ~1 min: per-head Muon's orthogonalize
+#                                                          # against Newton-Schulz per block group
 #   bash benchmarks/h200_baseline.sh train_cache           # <= 8 min: the step's compile through JAX's
 #                                                          # persistent cache, cold then warm
 #   bash benchmarks/h200_baseline.sh attention             # ~4 min: attention GPU tests, ours vs cuDNN
@@ -311,6 +313,10 @@ PY
           --out=$OUT/mxfp4_xla_${run%%|*}.json 2>&1 | tee -a $OUT/mxfp4_xla.log \
           | grep -E "device|mxfp4_xla|Error"
       done
+      ;;
+    muon)
+      timeout ${MUON_S:-150} python3 -m benchmarks.muon_ns --out=$OUT/muon_h200.json 2>&1 \
+        | tee $OUT/muon.log | grep -E "ms|TFLOP|Error"
       ;;
     moe_decode)
       # The "swapped" grouped-matmul kernel's GPU tests, then the routed experts' products at
