@@ -4,8 +4,10 @@ Rows, device time per call from a profiler trace (`common.device_ms`):
 - "orthogonalize": `k3jax.muon.orthogonalize` of every Muon leaf of the model (random fp32
   momenta shaped like the parameters), blocks of equal shape batched across leaves, as the
   train step runs it (`train.muon_ns_dtype`, bf16 by default);
-- "ns_<L>x<b>x<m>x<n>": `k3jax.muon.newton_schulz` alone on one group of stacked blocks, already
-  [L b, m, n] in fp32 (the group's matmuls and its elementwise passes, no stacking).
+- "ns_<b>x<m>x<n>": `k3jax.muon.newton_schulz` alone on one group of b stacked blocks, already
+  [b, m, n] in fp32 (the group's matmuls and its elementwise passes, no stacking);
+- "ns_folded_<b>x<m>x<n>": the same with `fold=True` (each step's scalars in its products'
+  scales: every elementwise term a GEMM's alpha A B + C).
 Each row's model FLOPs are the NS products' (per step 2 m^2 n for X X^T, 2 m^3 for A A and
 2 m^2 n for B X) and its TFLOP/s is against the H200's 989. The gap between "orthogonalize" and
 the sum of its groups is the stacking, transposing and casting around them.
@@ -88,12 +90,15 @@ def main(argv):
     if ns_flops(b, m, n) < 0.01 * total_flops:
       continue
     blocks = 0.01 * jax.random.normal(next(key), (b, m, n), jnp.float32)
-    ns = jax.jit(lambda x: muon.newton_schulz(x, COEFFS, STEPS, dtype=dtype))
-    record(f"ns_{b}x{m}x{n}", timer(ns, blocks), ns_flops(b, m, n), treatment=treatment,
-           blocks=b, m=m, n=n)
+    for fold in (False, True):
+      ns = jax.jit(lambda x, fold=fold: muon.newton_schulz(x, COEFFS, STEPS, dtype=dtype,
+                                                           fold=fold))
+      record(f"ns_{'folded_' if fold else ''}{b}x{m}x{n}", timer(ns, blocks),
+             ns_flops(b, m, n), treatment=treatment, blocks=b, m=m, n=n, fold=fold)
   common.merge_records(_OUT.value, records, KEY_FIELDS + ("m", "n"))
+  plain = [r for r in records if r["implementation"].startswith("ns_") and not r["fold"]]
   print(f"NS FLOPs in all {total_flops / 1e12:.2f} TFLOP; "
-        f"{math.fsum(r['median_ms'] for r in records[1:]):.3f} ms in the groups timed alone")
+        f"{math.fsum(r['median_ms'] for r in plain):.3f} ms in the groups timed alone")
 
 
 if __name__ == "__main__":

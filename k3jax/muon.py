@@ -281,20 +281,45 @@ def _block_layout(shape: tuple[int, ...], dims: DimNums
 
 
 def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int,
-                  eps: float = 1e-8, dtype: Any = jnp.float32) -> jax.Array:
+                  eps: float = 1e-8, dtype: Any = jnp.float32, fold: bool = False
+                  ) -> jax.Array:
   """NS5 of a batch of blocks x [..., m, n], m <= n: X <- aX + (b XX^T + c (XX^T)^2) X.
 
   Each block is first divided by its Frobenius norm (in fp32), then iterated in `dtype`
   (Muon, Jordan 2024, runs bf16; fp32 reproduces `optax.contrib.muon`). Returns fp32.
+  `fold` iterates the same map with every elementwise term a product's scaled output plus one
+  addend (`_newton_schulz_folded`).
   """
   x = x.astype(jnp.float32)
   x = x / (jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True)) + eps)
   x = x.astype(dtype)
+  if fold:
+    return _newton_schulz_folded(x, coeffs, steps, dtype)
   c0, c1, c2 = (jnp.asarray(c, dtype) for c in coeffs)
   for _ in range(steps):
     a = jnp.einsum("...ij,...kj->...ik", x, x)
     x = c0 * x + jnp.einsum("...ij,...jk->...ik", c1 * a + c2 * (a @ a), x)
   return x.astype(jnp.float32)
+
+
+def _newton_schulz_folded(y: jax.Array, coeffs: tuple[float, float, float], steps: int,
+                          dtype: Any) -> jax.Array:
+  """NS5 as `newton_schulz`, each step's scalars folded into the scales of its products so
+  that every elementwise term has the form alpha (A B) + C (a GEMM's own epilogue in cuBLAS,
+  where the plain form needs a pass over [m, m] and one over [m, n] a step besides).
+
+  X = s Y with s a running scalar: S = (c1 / c2) X X^T, B~ = (c2 / c1)^2 S S + S = B / c2
+  (B = c1 A + c2 A^2), then X' = c0 X + B X = c0 s (Y + (c2 / c0) B~ Y), so Y <- (c2 / c0)
+  B~ Y + Y and s <- c0 s. Returns s Y in fp32."""
+  c0, c1, c2 = coeffs
+  scale = 1.0
+  k = lambda v: jnp.asarray(v, dtype)
+  for _ in range(steps):
+    sa = k(scale * scale * c1 / c2) * jnp.einsum("...ij,...kj->...ik", y, y)
+    bt = k((c2 / c1) ** 2) * (sa @ sa) + sa
+    y = k(c2 / c0) * (bt @ y) + y
+    scale *= c0
+  return y.astype(jnp.float32) * scale
 
 
 def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, float],

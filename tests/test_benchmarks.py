@@ -365,7 +365,10 @@ def test_muon_ns_benchmark_times_orthogonalize_and_its_groups(tmp_path):
   whole = recs.pop("orthogonalize")
   assert recs and whole["median_ms"] > 0 and whole["ns_dtype"] == "bfloat16"
   for name, r in recs.items():
-    b, m, n = (int(v) for v in name.removeprefix("ns_").split("x"))
+    b, m, n = (int(v) for v in name.removeprefix("ns_").removeprefix("folded_").split("x"))
     assert (r["blocks"], r["m"], r["n"]) == (b, m, n) and m <= n
+    assert r["fold"] == name.startswith("ns_folded_")
     assert r["tflop"] == round(b * 5 * (4 * m * m * n + 2 * m ** 3) / 1e12, 3)
-  assert sum(r["tflop"] for r in recs.values()) <= whole["tflop"] + 1e-3
+  plain = [r for r in recs.values() if not r["fold"]]
+  assert len(plain) * 2 == len(recs)
+  assert sum(r["tflop"] for r in plain) <= whole["tflop"] + 1e-3
