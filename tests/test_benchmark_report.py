@@ -137,3 +137,19 @@ def test_decode_attention_table(tmp_path):
       ""]
   assert lines[6].startswith("Floor: the bytes a call must read at the copy rate, 4.2 TB/s: "
                              "measured in the run. Recorded")
+
+
+def test_decode_table_keeps_packed_expert_runs_in_rows_of_their_own(tmp_path):
+  """A run with `--expert_format=mxfp4` does not replace the bf16 run of the same (variant, B,
+  context): both show, the packed one labelled."""
+  def decode(variant: str, tpot: float, expert_format=None) -> dict:
+    return dict(op="decode", variant=variant, shape=dict(B=16, context=4096), tpot_ms=tpot,
+                floor_ms=0.5, decode_tokens_per_s=16e3 / tpot, cache_bytes_per_seq=2 ** 20,
+                copy_tbps=4.3, moe_kernels=None, expert_format=expert_format, date="2026-12-03")
+  path = tmp_path / "benchmarks" / "results" / "decode_h200.json"
+  path.parent.mkdir(parents=True)
+  path.write_text(json.dumps([decode("hybrid", 3.0), decode("all_mla", 6.0),
+                              decode("hybrid", 2.0, "mxfp4"), decode("all_mla", 5.0, "mxfp4")]))
+  table = report.decode(tmp_path)
+  assert "| B 16, context 4096 | 3.00 (0.50) | 6.00 (0.50) |  | 2.00 |" in table
+  assert "| B 16, context 4096, MXFP4 experts | 2.00 (0.50) | 5.00 (0.50) |  | 2.50 |" in table
