@@ -14,9 +14,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_module(module: str, *flags: str) -> None:
+  run_python("-m", module, *flags)
+
+
+def run_python(*args: str) -> None:
+  """`python *args` from the repository root on CPU; fails with its stderr's tail."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -302,38 +307,43 @@ def test_decode_benchmark_records_every_variant_and_context(tmp_path):
 
 def test_decode_benchmark_counts_packed_experts_in_its_floor():
   """With --expert_format=mxfp4 the floor's weight bytes are the float model's less the routed
-  experts' selected share of (bf16 bytes - packed bytes), and the packed experts are random."""
-  import jax
-  import numpy as np
-  from flax import nnx
-  from benchmarks import decode
-  from k3jax import latent_moe
-  from k3jax.model import K3ForCausalLM
-  models = {}
-  for fmt in ("float", "mxfp4"):
-    cfg = decode.variant_config("hybrid", True, expert_format=fmt)
-    models[fmt] = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
-  decode.randomize_packed_experts(models["mxfp4"], jax.random.key(1))
-  moe = models["float"].cfg.moe
-  batch = 3
-  share = 1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch
-  packed = nnx.to_flat_state(nnx.state(models["mxfp4"], latent_moe.PackedExperts))
-  params = nnx.to_flat_state(nnx.state(models["float"], nnx.Param))
-  float_experts = [v.get_value() for p, v in params
-                   if "experts" in map(str, p) and str(p[-1]) in latent_moe.EXPERT_WEIGHTS]
-  assert packed and len(float_experts) * 2 == len(packed)
-  float_bytes = sum(x.size * 2 for x in float_experts)  # bf16 parameters
-  packed_bytes = sum(v.get_value().size for _, v in packed)
-  # 4 bits a weight and one byte a 32-weight block
-  assert packed_bytes == float_bytes // 4 + float_bytes // 64
-  want = decode.weight_bytes_per_step(models["float"], batch) - share * (float_bytes - packed_bytes)
-  assert math.isclose(decode.weight_bytes_per_step(models["mxfp4"], batch), want, rel_tol=1e-9)
-  for path, var in packed:
-    x = np.asarray(var.get_value())
-    if str(path[-1]).endswith("_scale"):
-      assert x.min() >= 120 and x.max() <= 127, path
-    else:
-      assert len(np.unique(x)) > 200, path
+  experts' selected share of (bf16 bytes - packed bytes), and the packed experts are random.
+  In a subprocess: benchmarks.decode's absl flags would collide with other benchmark modules
+  a test worker has imported."""
+  check = """
+import math
+import jax
+import numpy as np
+from flax import nnx
+from benchmarks import decode
+from k3jax import latent_moe
+from k3jax.model import K3ForCausalLM
+models = {}
+for fmt in ("float", "mxfp4"):
+  cfg = decode.variant_config("hybrid", True, expert_format=fmt)
+  models[fmt] = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
+decode.randomize_packed_experts(models["mxfp4"], jax.random.key(1))
+moe = models["float"].cfg.moe
+batch = 3
+share = 1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch
+packed = nnx.to_flat_state(nnx.state(models["mxfp4"], latent_moe.PackedExperts))
+params = nnx.to_flat_state(nnx.state(models["float"], nnx.Param))
+float_experts = [v.get_value() for p, v in params
+                 if "experts" in map(str, p) and str(p[-1]) in latent_moe.EXPERT_WEIGHTS]
+assert packed and len(float_experts) * 2 == len(packed)
+float_bytes = sum(x.size * 2 for x in float_experts)  # bf16 parameters
+packed_bytes = sum(v.get_value().size for _, v in packed)
+assert packed_bytes == float_bytes // 4 + float_bytes // 64  # 4 bits a weight, a byte a block
+want = decode.weight_bytes_per_step(models["float"], batch) - share * (float_bytes - packed_bytes)
+assert math.isclose(decode.weight_bytes_per_step(models["mxfp4"], batch), want, rel_tol=1e-9)
+for path, var in packed:
+  x = np.asarray(var.get_value())
+  if str(path[-1]).endswith("_scale"):
+    assert x.min() >= 120 and x.max() <= 127, path
+  else:
+    assert len(np.unique(x)) > 200, path
+"""
+  run_python("-c", check)
 
 
 def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
