@@ -84,7 +84,8 @@ class Results:
                  "expert_format", "pass",
                  "shape", "B", "T", "H", "config", "tokens",
                  "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
-                 "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu")}
+                 "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu",
+                 "muon_ns_fold")}
       newest[json.dumps(key, sort_keys=True)] = r
     return list(newest.values())
 
@@ -280,7 +281,8 @@ def train_step(root: pathlib.Path) -> str:
     cache = f"; JAX cache {r['compile_cache']}" if r.get("compile_cache") else ""
     built = r.get("prebuild_mosaic_gpu")
     prebuild = f"; {built} Mosaic GPU kernels prebuilt" if built else ""
-    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}{flags}{cache}{prebuild}"
+    fold = "; Muon NS folded" if r.get("muon_ns_fold") else ""
+    return f"{kernels}; remat {r['remat']}; XLA GEMMs {gemm}{flags}{cache}{prebuild}{fold}"
 
   def compile_s(r):
     total = _num(r.get("compile_and_warmup_s"))

@@ -144,7 +144,8 @@ def main(argv):
              gate_up_impl=cfg.kernels.gate_up_impl or "auto",
              gate_up_train=cfg.kernels.gate_up_train, remat=cfg.model.remat,
              attention_impl=cfg.kernels.attention_impl or "auto",
-             muon_ns_dtype=cfg.train.muon_ns_dtype, xla_flags=os.environ.get("XLA_FLAGS", ""),
+             muon_ns_dtype=cfg.train.muon_ns_dtype, muon_ns_fold=cfg.train.muon_ns_fold or None,
+             xla_flags=os.environ.get("XLA_FLAGS", ""),
              xla_triton_gemm=cfg.kernels.xla_triton_gemm,
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
              compile_cache=compile_cache,
@@ -160,7 +161,7 @@ def main(argv):
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
                         "xla_flags", "xla_triton_gemm", "profiled", "compile_cache",
-                        "prebuild_mosaic_gpu", "device"))
+                        "prebuild_mosaic_gpu", "muon_ns_fold", "device"))
   print(rec)
 
 

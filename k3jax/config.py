@@ -131,6 +131,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "model.moe.num_experts", "model.moe.latent_size", "model.moe.n_shared_experts",
                 "data.default_num_docs", "data.num_workers")
   _bool(cfg, "model.moe.qat")
+  _bool(cfg, "train.muon_ns_fold")
   n = m.num_layers
   for name in ("full_attn_layers", "kda_layers"):
     field = f"model.{name}"
