@@ -114,8 +114,8 @@ def plan(q, k, v, *, segment_ids=None, causal: bool = True, impl: str | None = N
   return tiers.first_supported(_order(impl), reason_of, interpret)
 
 
-def kernel_max_logit(q, k, q_ids, kv_ids, *, causal: bool, scale: float,
-                     interpret: bool = False) -> jax.Array:
+def _kernel_max_logit(q, k, q_ids, kv_ids, *, causal: bool, scale: float,
+                      interpret: bool = False) -> jax.Array:
   """The kernel tiers' per-head max logit [H]: `max_logit_triton` where it takes the call,
   else xla_blockwise's pass (the reason logged)."""
   reason = max_logit_triton.supports(q, k, causal=causal, interpret=interpret)
@@ -168,8 +168,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                                   interpret=interpret)
     if not return_max_logit:
       return o
-    max_logit = kernel_max_logit(q, k, q_ids, kv_ids, causal=causal, scale=scale,
-                                 interpret=interpret)
+    max_logit = _kernel_max_logit(q, k, q_ids, kv_ids, causal=causal, scale=scale,
+                                  interpret=interpret)
   if return_max_logit:
     return o, jax.lax.stop_gradient(max_logit)
   return o

@@ -58,7 +58,12 @@ def default_config(k: int, f: int) -> Config:
 def supports(x, rows, w1, w3, group_sizes, *, interpret: bool = False,
              config: Config | None = None) -> str | None:
   """None if the kernel takes the call (arrays or ShapeDtypeStructs), else the reason."""
-  if not interpret and (reason := tiers.triton_offsets_reason(x=x, rows=rows, w1=w1, w3=w3)):
+  # Outputs too: h [M, F] and, checked always (supports does not know whether they are
+  # asked for), SiTU's partials [M, 2F].
+  m, f = rows.shape[0], w1.shape[-1]
+  if not interpret and (reason := tiers.triton_offsets_reason(
+      x=x, rows=rows, w1=w1, w3=w3, h=jax.ShapeDtypeStruct((m, f), x.dtype),
+      partials=jax.ShapeDtypeStruct((m, 2 * f), x.dtype))):
     return reason
   if not interpret and not plgpu_triton.is_gpu_device():
     return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"

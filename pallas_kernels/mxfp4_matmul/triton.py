@@ -206,9 +206,11 @@ def check_config(cfg: Config, k: int, n: int) -> str | None:
   return None
 
 
-def _supports(x, w_packed, groups: int, preferred_element_type, interpret: bool,
+def _supports(x, w_packed, w_scale, groups: int, preferred_element_type, interpret: bool,
               config: Config | None) -> str | None:
-  if not interpret and (reason := tiers.triton_offsets_reason(x=x, w_packed=w_packed)):
+  out = jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[-2]), jnp.float32)  # split-K's, at most
+  if not interpret and (reason := tiers.triton_offsets_reason(x=x, w_packed=w_packed,
+                                                              w_scale=w_scale, out=out)):
     return reason
   if not interpret and not is_gpu():
     return (f"needs an NVIDIA GPU of compute capability >= 8.0 or interpret=True, the default "
@@ -236,15 +238,15 @@ def _supports(x, w_packed, groups: int, preferred_element_type, interpret: bool,
 def supports_matmul(x, w_packed, w_scale, *, preferred_element_type=None,
                     interpret: bool = False, config: Config | None = None) -> str | None:
   """None if `matmul` takes this call (shapes checked by the API), else the reason."""
-  del w_scale
-  return _supports(x, w_packed, 1, preferred_element_type, interpret, config)
+  return _supports(x, w_packed, w_scale, 1, preferred_element_type, interpret, config)
 
 
 def supports_ragged_dot(lhs, w_packed, w_scale, group_sizes, *, preferred_element_type=None,
                         interpret: bool = False, config: Config | None = None) -> str | None:
   """None if `ragged_dot` takes this call (shapes checked by the API), else the reason."""
-  del w_scale, group_sizes
-  return _supports(lhs, w_packed, w_packed.shape[0], preferred_element_type, interpret, config)
+  del group_sizes
+  return _supports(lhs, w_packed, w_scale, w_packed.shape[0], preferred_element_type, interpret,
+                   config)
 
 
 # ------------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ def default_num_warps(num_cols: int) -> int:
 
 def supports(x, k: int, *, interpret: bool = False) -> str | None:
   """None if the kernel takes top-k of x (an array or ShapeDtypeStruct), else the reason."""
-  if not interpret and (reason := tiers.triton_offsets_reason(x=x)):
+  if not interpret and (reason := tiers.triton_offsets_reason(
+      x=x, indices=jax.ShapeDtypeStruct((x.shape[0], k), jnp.int32))):
     return reason
   if not interpret and not is_gpu():
     return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"

@@ -133,6 +133,11 @@ def test_plan_and_fallback():
   p = moe_gate_up.plan(sds((20, 1024), jnp.bfloat16), rows, big, big, sds((384,), jnp.int32),
                        impl="triton")
   assert p.impl == "xla" and "w1 holds" in p.declined[0][1]
+  # 160,000 rows of F 4096: SiTU's partials [M, 2F] (2.6 GB) would wrap, the weights do not
+  w = sds((8, 1024, 4096), jnp.bfloat16)
+  p = moe_gate_up.plan(sds((20, 1024), jnp.bfloat16), sds((160_000,), jnp.int32), w, w,
+                       sds((8,), jnp.int32), impl="triton")
+  assert p.impl == "xla" and "partials holds" in p.declined[0][1]
 
 
 def test_bad_arguments_raise():
