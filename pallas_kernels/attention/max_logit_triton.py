@@ -61,15 +61,15 @@ def _kernel(q_ref, k_ref, qs_ref, ks_ref, out_ref, *, heads: int, scale: float, 
   bh, i = pl.program_id(0), pl.program_id(1)
   b, h = bh // heads, bh % heads
   q0 = pl.multiple_of(i * BLOCK_Q, BLOCK_Q)
-  d = q_ref.shape[-1]
+  parts = chunks(q_ref.shape[-1])
   q_ids = qs_ref[b, pl.ds(q0, BLOCK_Q)]
-  qs = [q_ref[b, pl.ds(q0, BLOCK_Q), h, pl.ds(o, c)] for o, c in chunks(d)]
+  qs = [q_ref[b, pl.ds(q0, BLOCK_Q), h, pl.ds(o, c)] for o, c in parts]
   rows = q0 + jnp.arange(BLOCK_Q)
 
   def step(j, m):
     k0 = pl.multiple_of(j * BLOCK_K, BLOCK_K)
     s = None
-    for q_c, (o, c) in zip(qs, chunks(d)):
+    for q_c, (o, c) in zip(qs, parts):
       part = lax.dot_general(q_c, k_ref[b, pl.ds(k0, BLOCK_K), h, pl.ds(o, c)],
                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       s = part if s is None else s + part
