@@ -87,11 +87,13 @@ def parse_spec(spec: str, per_device_batch: int) -> dict[str, int]:
 
 
 def overrides(run: dict[str, int], toy: bool, steps: int, seq_len: int) -> dict:
-  """Config overrides of a run: its mesh, batch and micro-batches, a metrics row per step, one
-  checkpoint at the end."""
+  """Config overrides of a run: its mesh, batch and micro-batches (and the scanned layers a
+  pipeline splits), a metrics row per step, one checkpoint at the end."""
   out = {f"mesh.{a}": run[a] for a in MESH_AXES}
   out.update({"train.global_batch_size": run["batch"], "train.grad_accum_steps": run["accum"],
               "train.steps": steps, "train.log_every": 1, "train.checkpoint_every": steps})
+  if run["pipeline"] > 1:
+    out["model.scan_layers"] = True
   if seq_len:
     out["train.seq_len"] = seq_len
   if toy:

@@ -143,6 +143,7 @@ def main(argv):
              ragged_dot_impl=cfg.kernels.ragged_dot_impl or "auto",
              gate_up_impl=cfg.kernels.gate_up_impl or "auto",
              gate_up_train=cfg.kernels.gate_up_train, remat=cfg.model.remat,
+             scan_layers=None if cfg.model.scan_layers else False,
              attention_impl=cfg.kernels.attention_impl or "auto",
              muon_ns_dtype=cfg.train.muon_ns_dtype, muon_ns_fold=cfg.train.muon_ns_fold or None,
              xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -161,7 +162,7 @@ def main(argv):
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
                         "xla_flags", "xla_triton_gemm", "profiled", "compile_cache",
-                        "prebuild_mosaic_gpu", "muon_ns_fold", "device"))
+                        "prebuild_mosaic_gpu", "muon_ns_fold", "scan_layers", "device"))
   print(rec)
 
 

@@ -247,3 +247,45 @@ def test_max_logit_triton_lowers_for_h200():
     fn = lambda q, k, i: max_logit_triton.max_logit(q, k, i, i, causal=True, scale=SCALE)
     text = jax.jit(fn).trace(q, q, ids).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def _runs_loop(row, max_segments):
+  """Oracle for `cudnn.segments_of`: one row's runs by a Python loop."""
+  row = [int(x) for x in row]
+  runs, i = [], 0
+  while i < len(row):
+    j = i
+    while j < len(row) and row[j] == row[i]:
+      j += 1
+    runs.append((row[i], i, j - i))
+    i = j
+  real = [(s, n) for x, s, n in runs if x]
+  ids = [x for x, _, _ in runs]
+  zeros_at_end = all(x == 0 for x in ids[ids.index(0):]) if 0 in ids else True
+  increasing = all(a < b for a, b in zip([x for x in ids if x], [x for x in ids if x][1:]))
+  ok = zeros_at_end and increasing and len(real) <= max_segments
+  pad = max_segments - min(len(real), max_segments)
+  seqlen = [n for _, n in real][:max_segments] + [-1] * pad
+  offsets = [s for s, _ in real][:max_segments] + [-1] * (pad + 1)
+  return ok, seqlen, offsets
+
+
+@pytest.mark.parametrize("rows", [
+    [[1, 1, 2, 2, 2, 3, 0, 0], [5, 5, 5, 5, 7, 7, 7, 7]],
+    [[1, 2, 3, 4, 5, 6, 7, 8], [1, 1, 1, 1, 1, 1, 1, 1]],
+    [[1, 1, 2, 1, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]],
+    [[1, 1, 0, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]],
+    [[3, 3, 3, 3, 2, 2, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]],
+])
+def test_cudnn_segments_match_a_loop(rows):
+  """The packed layout's segments (lengths, offsets) and its runtime condition (increasing runs,
+  padding only at the end, at most M runs) against a loop over each row."""
+  from pallas_kernels.attention import cudnn
+  ids = jnp.asarray(rows, jnp.int32)
+  for m in (4, 8):
+    ok, seqlen, offsets = cudnn.segments_of(ids, m)
+    want = [_runs_loop(r, m) for r in rows]
+    assert bool(ok) == all(w[0] for w in want), (rows, m)
+    if bool(ok):
+      np.testing.assert_array_equal(np.asarray(seqlen), [w[1] for w in want])
+      np.testing.assert_array_equal(np.asarray(offsets), [w[2] for w in want])

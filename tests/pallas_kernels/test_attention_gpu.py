@@ -3,7 +3,9 @@
 Forward, dq / dk / dv and the per-head max logit, bf16 (cudnn) and f16 (mosaic_gpu), at K3's
 head dims (q/k 192, v 128): causal, non-causal, a length that is no multiple of 64. The plan
 must pick the tier, so a silent fall-through fails the test. Packed documents (padding id 0)
-go to cudnn as a boolean mask. The kernel tiers' max logit comes from the Pallas Triton kernel
+go to cuDNN's packed layout, or by a runtime branch to a boolean mask where the layout cannot
+express them (more than `PACKED_MAX_SEGMENTS` runs, ids not increasing); both branches are
+checked, and padding tokens must get zero outputs and gradients. The kernel tiers' max logit comes from the Pallas Triton kernel
 (`max_logit_triton`) where T is a multiple of its 128-row block, else from xla_blockwise; the
 kernel is also checked alone at 2048 tokens.
 """
@@ -55,7 +57,8 @@ def check(impl, b, t, h, dk, dv, dtype, ids, causal):
     assert err <= 2e-2 * max(float(jnp.abs(up(want)).max()), 1.0), (label, err)
   if ids is not None:
     pad = ids == 0
-    assert float(jnp.abs(up(o)[pad]).max()) == 0.0 and float(jnp.abs(up(grads[0])[pad]).max()) == 0
+    for label, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
+      assert float(jnp.abs(up(x)[pad]).max()) == 0.0, label
 
 
 @pytest.mark.parametrize("b,t,h,causal", [
@@ -71,6 +74,17 @@ def test_cudnn(b, t, h, causal):
                                              (1, 256, 4, False)])
 def test_cudnn_packed(b, t, docs, causal):
   check("cudnn", b, t, 2, 192, 128, jnp.bfloat16, packed_ids(b, t, docs), causal)
+
+
+@pytest.mark.parametrize("order", ["too_many", "decreasing"])
+def test_cudnn_packed_falls_back_to_the_mask(order):
+  """Rows the packed layout cannot express take the boolean-mask branch at run time."""
+  from pallas_kernels.attention import cudnn
+  ids = packed_ids(2, 256, cudnn.PACKED_MAX_SEGMENTS + 4 if order == "too_many" else 4)
+  if order == "decreasing":
+    ids = jnp.where(ids != 0, 10 - ids, 0)
+  assert not bool(cudnn.segments_of(ids)[0])
+  check("cudnn", 2, 256, 2, 192, 128, jnp.bfloat16, ids, True)
 
 
 def test_packed_and_unpacked_calls_take_cudnn_by_default():
