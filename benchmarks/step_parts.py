@@ -161,7 +161,8 @@ def kernel_counts(hlo_text: str) -> dict[tuple[str, str], int]:
 
 
 def _exclusive_times(events: list[dict]) -> list[tuple[dict, float]]:
-  """(event, its duration minus the durations of events nested in it on its thread)."""
+  """(event, its duration minus the time of events nested in it on its thread; an event that
+  starts inside another and ends after it counts only its overlap)."""
   by_thread = collections.defaultdict(list)
   for e in events:
     by_thread[(e["pid"], e.get("tid"))].append(e)
@@ -175,7 +176,7 @@ def _exclusive_times(events: list[dict]) -> list[tuple[dict, float]]:
         done = stack.pop()
         out.append((done[0], float(done[0]["dur"]) - done[2]))
       if stack:
-        stack[-1][2] += dur
+        stack[-1][2] += min(start + dur, stack[-1][1]) - start
       stack.append([e, start + dur, 0.0])
     out.extend((done[0], float(done[0]["dur"]) - done[2]) for done in stack)
   return out
@@ -192,6 +193,34 @@ def op_events(trace: dict) -> list[dict]:
   if devices:
     return [e for e in spans if e["pid"] in devices]
   return [e for e in spans if "hlo_op" in e.get("args", {})]
+
+
+def timelines(trace: dict, steps: int) -> list[dict]:
+  """Per device timeline (process, thread): events, their summed and their busy (union) ms per
+  step, and the span from its first event's start to its last event's end. Busy below the
+  step's wall time is time with no kernel running on that timeline."""
+  events = trace["traceEvents"]
+  names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  procs = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  by_line = collections.defaultdict(list)
+  for e in op_events(trace):
+    by_line[(e["pid"], e.get("tid"))].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+  out = []
+  for key, spans in sorted(by_line.items(), key=lambda kv: -len(kv[1])):
+    spans.sort()
+    busy, end = 0.0, -float("inf")
+    for a, b in spans:
+      if b > end:
+        busy += b - max(a, end)
+        end = b
+    out.append(dict(process=procs.get(key[0], str(key[0])), thread=names.get(key, str(key[1])),
+                    events=len(spans),
+                    summed_ms=round(sum(b - a for a, b in spans) / steps / 1e3, 3),
+                    busy_ms=round(busy / steps / 1e3, 3),
+                    span_ms=round((end - spans[0][0]) / steps / 1e3, 3)))
+  return out
 
 
 def part_records(trace: dict, hlo_text: str, steps: int) -> list[dict]:
@@ -247,16 +276,27 @@ _DIR = flags.DEFINE_string("parts_dir", None, "The --profile_dir of train_step.p
 _STEPS = flags.DEFINE_integer("parts_steps", 2, "Steps in the trace.")
 
 
+def _load(profile_dir: str) -> dict:
+  with gzip.open(find_trace(profile_dir)) as f:
+    return json.load(f)
+
+
 def table_from_dir(profile_dir: str, steps: int) -> list[dict]:
   """`part_records` of the newest trace under `profile_dir` and its `HLO_FILE`."""
-  with gzip.open(find_trace(profile_dir)) as f:
-    trace = json.load(f)
-  return part_records(trace, (pathlib.Path(profile_dir) / HLO_FILE).read_text(), steps)
+  return part_records(_load(profile_dir), (pathlib.Path(profile_dir) / HLO_FILE).read_text(),
+                      steps)
+
+
+def timelines_from_dir(profile_dir: str, steps: int) -> list[dict]:
+  """`timelines` of the newest trace under `profile_dir`."""
+  return timelines(_load(profile_dir), steps)
 
 
 def main(argv):
   del argv
   print(markdown(table_from_dir(_DIR.value, _STEPS.value)))
+  for line in timelines_from_dir(_DIR.value, _STEPS.value):
+    print(line)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,9 @@ def main(argv):
     (pathlib.Path(_PROFILE_DIR.value) / step_parts.HLO_FILE).write_text(step.as_text())
     parts = step_parts.table_from_dir(_PROFILE_DIR.value, 2)
     print(step_parts.markdown(parts))
+    lines = step_parts.timelines_from_dir(_PROFILE_DIR.value, 2)
+    for line in lines:
+      print(line)
   tok_s = b * s / dt
   peak, source = flops.peak_flops_per_device()
   counts = flops.count_params(cfg.model)
@@ -157,6 +160,7 @@ def main(argv):
   rec["profiled"] = bool(parts)
   if parts:
     rec["parts"] = parts
+    rec["timelines"] = lines
   if compile_parts:
     rec["compile_parts"] = [dict(name=n, calls=c, s=sec) for n, c, sec in compile_parts]
   common.merge_records(_OUT.value, [rec],

@@ -119,3 +119,19 @@ def test_nested_events_count_their_own_time_once():
                             dict(ph="X", pid=1, tid=7, ts=0.0, dur=500.0, name="python")])
   recs = {r["part"]: r["ms_per_step"] for r in step_parts.part_records(trace, HLO, steps=1)}
   assert recs == {"MLA attention": 0.06, "KDA layers": 0.04, step_parts.UNMATCHED: 0.01}
+
+
+def test_overlapping_events_and_device_timelines():
+  """An event that starts inside another and ends after it takes from it only the overlap;
+  a timeline's busy time is the union of its events, below their sum where they overlap."""
+  meta = [dict(ph="M", name="process_name", pid=2, args=dict(name="/device:GPU:0")),
+          dict(ph="M", name="thread_name", pid=2, tid=3, args=dict(name="Stream #3"))]
+  ev = lambda op, ts, dur: dict(ph="X", pid=2, tid=3, ts=ts, dur=dur, name=op,
+                                args=dict(hlo_module="jit_step", hlo_op=op))
+  trace = dict(traceEvents=[*meta, ev("fusion", 0.0, 100.0), ev("copy.1", 90.0, 30.0),
+                            ev("copy.2", 200.0, 50.0)])
+  recs = {r["part"]: r["ms_per_step"] for r in step_parts.part_records(trace, HLO, steps=1)}
+  assert recs == {"KDA layers": 0.09, "MLA attention": 0.03, step_parts.UNMATCHED: 0.05}
+  (line,) = step_parts.timelines(trace, steps=2)
+  assert line == dict(process="/device:GPU:0", thread="Stream #3", events=3, summed_ms=0.09,
+                      busy_ms=0.085, span_ms=0.125)
