@@ -226,9 +226,11 @@ PY
       done
       ;;
     train)
-      # TRAIN_ARGS: more flags, e.g. --config.kernels.gate_up_train=unfused
+      # B 2 without remat (the fastest that fits there; REMAT overrides). TRAIN_ARGS: more
+      # flags, e.g. --config.kernels.gate_up_train=unfused
       timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
-        --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json 2>&1 \
+        --config.train.global_batch_size=2 --config.model.remat=${REMAT:-none} ${TRAIN_ARGS:-} \
+        --out=$OUT/train_h200.json 2>&1 \
         | tee $OUT/train.log | tail -3
       ;;
     train_cache)
@@ -386,7 +388,8 @@ PY
       # table of its device time by part; the record goes to $OUT/train_h200.json.
       rm -rf /tmp/train_parts /tmp/train_compile
       timeout ${TRAIN_S:-450} python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
-        --config.train.global_batch_size=2 ${TRAIN_ARGS:-} --out=$OUT/train_h200.json \
+        --config.train.global_batch_size=2 --config.model.remat=${REMAT:-none} ${TRAIN_ARGS:-} \
+        --out=$OUT/train_h200.json \
         --compile_trace_dir=/tmp/train_compile --profile_dir=/tmp/train_parts 2>&1 \
         | tee $OUT/train_parts.log | grep -vE "^\{" | tail -60
       ;;
