@@ -37,16 +37,19 @@ the front and are batched:
   own heads/experts; the Frobenius norm and the X X^T products are per block, so
   the compiled update has no collective, also with the leaves of many layers
   stacked into one group (tested on 4 host devices, tests/test_fsdp.py).
-- a reduction or output axis of the block sharded (FSDP on d, or H sharded when
-  heads are merged into a block: `mode="whole"`, o_proj [H, D, d], gates): the
-  norm and X X^T contract over the sharded axis, so XLA (Auto mesh axes, as in
-  `k3jax.sharding.make_mesh`) inserts collectives in every NS step (on CPU:
-  all-reduces of X X^T for some groups, all-gathers of the stacked group for
-  most); the result equals the unsharded update (tests/test_fsdp.py). With
-  Explicit mesh axes the same matmul is a ShardingTypeError: reshard the block
-  first.
-Hence shard Q/K/V [d, H, D] over H and experts over E; a mesh axis that splits
-the reduction or output dim costs collectives in NS for every matrix it splits.
+- a reduction or output axis of the block split over `data` (FSDP on d, latent, the
+  LoRA ranks): traced under a mesh whose `data` axis has several devices, each
+  group's blocks are spread whole over `expert` x `data` by one all-to-all, iterated
+  there (each device 1 / (expert data) of the group) and sent back
+  (`_spread_newton_schulz`; tested on 8 host devices, tests/test_muon.py). Left to
+  itself XLA gathered the whole stacked group on every device and iterated all of it
+  there.
+- another axis splitting a reduction or output dim (H sharded when heads are merged
+  into a block: `mode="whole"`, o_proj [H, D, d], gates): the norm and X X^T contract
+  over the sharded axis, so XLA (Auto mesh axes, as in `k3jax.sharding.make_mesh`)
+  inserts collectives in every NS step; the result equals the unsharded update. With
+  Explicit mesh axes the same matmul is a ShardingTypeError: reshard the block first.
+Hence shard Q/K/V [d, H, D] over H and experts over E.
 """
 import dataclasses
 import math
@@ -351,8 +354,9 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
     groups.setdefault((t.treatment,) + blocks.shape, []).append(i)
   out = list(leaves)
   for members in groups.values():
-    done = newton_schulz(jnp.stack([layouts[i][1] for i in members]), coeffs, steps, eps, dtype,
-                         fold)
+    done = _spread_newton_schulz(jnp.stack([layouts[i][1] for i in members]),
+                                 lambda x: newton_schulz(x, coeffs, steps, eps, dtype, fold),
+                                 dtype)
     for i, part in zip(members, done):
       perm, _ = layouts[i]
       x = leaves[i]
@@ -363,6 +367,40 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
       out[i] = part.reshape(shape).transpose(tuple(perm.index(j) for j in range(x.ndim))
                                               ).astype(x.dtype)
   return treedef.unflatten(out)
+
+
+SPREAD_AXES = ("expert", "data")
+"""Mesh axes a group's blocks are spread over when `data` splits them (`_spread_newton_schulz`)."""
+
+
+def _spread_newton_schulz(stacked: jax.Array, ns: Callable[[jax.Array], jax.Array],
+                          dtype: Any) -> jax.Array:
+  """`ns` of a group's blocks [L, b, A, B], each device iterating whole blocks of its own.
+
+  FSDP splits a block's A or B over `data` (the `embed`, `latent`, ... rules), and NS contracts
+  over both: left to itself XLA gathers the whole stacked group on every device and iterates
+  all of it there, so each `data` rank holds and computes every layer's blocks (on a TPU the
+  step's memory then grows by the gathered stack per scanned unit: notes/tpu_compile.md). Under
+  a mesh whose `data` axis has several devices, the blocks are reordered expert-major [b L, A,
+  B] (b's own `expert` split stays in place), padded per `expert` chunk and constrained to be
+  split along that axis over `SPREAD_AXES`: one all-to-all over `data` brings each device whole
+  blocks, 1 / (expert data) of the group, and one takes the result back. Without such a mesh
+  (one device; experts or heads split over `expert` alone, where each device already holds
+  whole blocks) `ns` runs on the stack as it is.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  if sizes.get("data", 1) == 1 or any(a not in sizes for a in SPREAD_AXES):
+    return ns(stacked)
+  n_layers, b, a, c = stacked.shape
+  chunks = sizes["expert"] if b % sizes["expert"] == 0 else 1
+  per_chunk = sizes["expert"] * sizes["data"] // chunks
+  x = stacked.astype(dtype).transpose(1, 0, 2, 3).reshape(chunks, b // chunks * n_layers, a, c)
+  pad = -x.shape[1] % per_chunk
+  x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(-1, a, c)
+  x = jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(SPREAD_AXES, None, None))
+  y = ns(x).reshape(chunks, -1, a, c)[:, :b // chunks * n_layers]
+  return y.reshape(b, n_layers, a, c).transpose(1, 0, 2, 3)
 
 
 class MomentumState(NamedTuple):

@@ -493,3 +493,49 @@ def test_folded_newton_schulz_matches_the_oracle(dtype, tol):
     for gb, ub in zip(g, got):
       want = _ns5_oracle(gb)
       assert np.linalg.norm(ub - want) / np.linalg.norm(want) < tol, shape
+
+
+_SPREAD = textwrap.dedent("""
+  import json, re
+  import jax, jax.numpy as jnp, numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from k3jax import muon, sharding
+  mesh = Mesh(np.array(jax.devices()).reshape(1, 4, 2, 1), sharding.MESH_AXES)
+  rng = np.random.default_rng(0)
+  specs = {"w1": P("expert", "data", None), "w2": P("expert", None, "data"),
+           "q": P("data", None, None)}
+  shapes = {"w1": (8, 32, 96), "w2": (8, 96, 32), "q": (32, 4, 8)}
+  def tree(make):
+    return {"layers": {str(i): {
+        "block_sparse_moe": {"experts": {n: make(n) for n in ("w1", "w2")}},
+        "self_attn": {"q_proj": {"kernel": make("q")}}} for i in range(3)}}
+  host = tree(lambda n: jnp.asarray(rng.standard_normal(shapes[n]), jnp.float32))
+  put = lambda t: jax.tree.map_with_path(lambda p, x: jax.device_put(
+      x, NamedSharding(mesh, specs["q" if "q_proj" in jax.tree_util.keystr(p) else
+                                  jax.tree_util.keystr(p)[-4:-2]])), t)
+  tx = muon.per_head_muon(0.1, ns_dtype="float32")
+  want, _ = jax.jit(tx.update)(host, tx.init(host), host)
+  with jax.set_mesh(mesh):
+    dev = put(host)
+    f = jax.jit(tx.update)
+    hlo = f.lower(dev, tx.init(dev), dev).compile().as_text()
+    got, _ = f(dev, tx.init(dev), dev)
+  err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got),
+                                                            jax.tree.leaves(want)))
+  gathers = [int(np.prod([int(d) for d in s.split(",") if d])) for s in re.findall(
+      r"= f32\\[([0-9,]*)\\]\\{[^}]*\\} all-gather\\(", hlo)]
+  print("RESULT" + json.dumps(dict(err=err, all_to_all="all-to-all" in hlo,
+                                   largest_gather=max(gathers, default=0))))
+""")
+
+
+def test_fsdp_split_blocks_are_spread_over_the_devices():
+  """8 host devices, data 4 x expert 2, expert and Q blocks split over `data` (FSDP): the
+  update equals the one-device update, and the group's blocks reach the devices whole by an
+  all-to-all (no device gathers a whole stacked group: 3 layers x 8 experts x 32 x 96)."""
+  from mesh_testing import run_on_devices
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = run_on_devices(f"import sys; sys.path.insert(0, {root!r})\n" + _SPREAD, devices=8)
+  assert out["err"] < 1e-5, out
+  assert out["all_to_all"], out
+  assert out["largest_gather"] < 3 * 8 * 32 * 96 // 4, out
