@@ -371,6 +371,9 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
 
 SPREAD_AXES = ("expert", "data")
 """Mesh axes a group's blocks are spread over when `data` splits them (`_spread_newton_schulz`)."""
+SPREAD_CHUNK_BYTES = 1 << 30
+"""Blocks (in the NS dtype) a device iterates at once in a spread group: the group runs as a
+`lax.map` over chunks of at most this, so NS's products do not grow with the layers."""
 
 
 def _spread_newton_schulz(stacked: jax.Array, ns: Callable[[jax.Array], jax.Array],
@@ -382,24 +385,36 @@ def _spread_newton_schulz(stacked: jax.Array, ns: Callable[[jax.Array], jax.Arra
   all of it there, so each `data` rank holds and computes every layer's blocks (on a TPU the
   step's memory then grows by the gathered stack per scanned unit: notes/tpu_compile.md). Under
   a mesh whose `data` axis has several devices, the blocks are reordered expert-major [b L, A,
-  B] (b's own `expert` split stays in place), padded per `expert` chunk and constrained to be
-  split along that axis over `SPREAD_AXES`: one all-to-all over `data` brings each device whole
-  blocks, 1 / (expert data) of the group, and one takes the result back. Without such a mesh
-  (one device; experts or heads split over `expert` alone, where each device already holds
-  whole blocks) `ns` runs on the stack as it is.
+  B] (b's own `expert` split stays in place), padded per `expert` chunk and split over
+  `SPREAD_AXES`: one all-to-all over `data` brings each device whole blocks, 1 / (expert data)
+  of the group, which it iterates in chunks of at most `SPREAD_CHUNK_BYTES`, and one takes the
+  result back. Without such a mesh (one device; experts or heads split over `expert` alone,
+  where each device already holds whole blocks) `ns` runs on the stack as it is.
   """
   mesh = jax.sharding.get_abstract_mesh()
   sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
   if sizes.get("data", 1) == 1 or any(a not in sizes for a in SPREAD_AXES):
     return ns(stacked)
   n_layers, b, a, c = stacked.shape
+  devices = sizes["expert"] * sizes["data"]
   chunks = sizes["expert"] if b % sizes["expert"] == 0 else 1
-  per_chunk = sizes["expert"] * sizes["data"] // chunks
-  x = stacked.astype(dtype).transpose(1, 0, 2, 3).reshape(chunks, b // chunks * n_layers, a, c)
-  pad = -x.shape[1] % per_chunk
-  x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(-1, a, c)
-  x = jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(SPREAD_AXES, None, None))
-  y = ns(x).reshape(chunks, -1, a, c)[:, :b // chunks * n_layers]
+  per_chunk, m = devices // chunks, b // chunks * n_layers
+  local = -(-m // per_chunk)
+  steps = max(1, -(-local * a * c * jnp.dtype(dtype).itemsize // SPREAD_CHUNK_BYTES))
+  k = -(-local // steps)
+  x = stacked.astype(dtype).transpose(1, 0, 2, 3).reshape(chunks, m, a, c)
+  x = jnp.pad(x, ((0, 0), (0, per_chunk * steps * k - m), (0, 0), (0, 0)))
+  spec = jax.sharding.PartitionSpec(SPREAD_AXES, None, None, None)
+  x = jax.lax.with_sharding_constraint(x.reshape(devices, steps, k, a, c),
+                                       jax.sharding.PartitionSpec(SPREAD_AXES, None, None, None,
+                                                                  None))
+
+  def chunk(xs):
+    xs = jax.lax.with_sharding_constraint(xs, spec)
+    return ns(xs.reshape(devices * k, a, c)).reshape(devices, k, a, c)
+
+  y = jax.lax.map(chunk, x.transpose(1, 0, 2, 3, 4)).transpose(1, 0, 2, 3, 4)
+  y = y.reshape(chunks, per_chunk * steps * k, a, c)[:, :m]
   return y.reshape(b, n_layers, a, c).transpose(1, 0, 2, 3)
 
 

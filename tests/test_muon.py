@@ -515,13 +515,17 @@ _SPREAD = textwrap.dedent("""
                                   jax.tree_util.keystr(p)[-4:-2]])), t)
   tx = muon.per_head_muon(0.1, ns_dtype="float32")
   want, _ = jax.jit(tx.update)(host, tx.init(host), host)
-  with jax.set_mesh(mesh):
-    dev = put(host)
-    f = jax.jit(tx.update)
-    hlo = f.lower(dev, tx.init(dev), dev).compile().as_text()
-    got, _ = f(dev, tx.init(dev), dev)
-  err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got),
-                                                            jax.tree.leaves(want)))
+  errs = []
+  for chunk_bytes in (12288, muon.SPREAD_CHUNK_BYTES):  # experts: 3 chunks of 1 block; 1
+    muon.SPREAD_CHUNK_BYTES = chunk_bytes
+    with jax.set_mesh(mesh):
+      dev = put(host)
+      f = jax.jit(tx.update)
+      hlo = f.lower(dev, tx.init(dev), dev).compile().as_text()
+      got, _ = f(dev, tx.init(dev), dev)
+    errs.append(max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got),
+                                                                   jax.tree.leaves(want))))
+  err = max(errs)
   gathers = [int(np.prod([int(d) for d in s.split(",") if d])) for s in re.findall(
       r"= f32\\[([0-9,]*)\\]\\{[^}]*\\} all-gather\\(", hlo)]
   print("RESULT" + json.dumps(dict(err=err, all_to_all="all-to-all" in hlo,
@@ -531,8 +535,9 @@ _SPREAD = textwrap.dedent("""
 
 def test_fsdp_split_blocks_are_spread_over_the_devices():
   """8 host devices, data 4 x expert 2, expert and Q blocks split over `data` (FSDP): the
-  update equals the one-device update, and the group's blocks reach the devices whole by an
-  all-to-all (no device gathers a whole stacked group: 3 layers x 8 experts x 32 x 96)."""
+  update equals the one-device update, iterated at once and in chunks, and the group's blocks
+  reach the devices whole by an all-to-all (no device gathers a whole stacked group: 3 layers x
+  8 experts x 32 x 96)."""
   from mesh_testing import run_on_devices
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = run_on_devices(f"import sys; sys.path.insert(0, {root!r})\n" + _SPREAD, devices=8)
