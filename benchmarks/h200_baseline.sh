@@ -226,7 +226,8 @@ PY
       done
       ;;
     train)
-      # B 2 without remat (the fastest that fits there; REMAT overrides). TRAIN_ARGS: more
+      # B 2 without remat (the fastest that fits there; REMAT overrides: B 8 needs a remat,
+      # REMAT=save_dots TRAIN_ARGS=--config.train.global_batch_size=8). TRAIN_ARGS: more
       # flags, e.g. --config.kernels.gate_up_train=unfused
       timeout 400 python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py \
         --config.train.global_batch_size=2 --config.model.remat=${REMAT:-none} ${TRAIN_ARGS:-} \
