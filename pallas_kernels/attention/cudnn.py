@@ -64,12 +64,13 @@ def _native_mla() -> bool:
 def segments_of(ids: jax.Array, max_segments: int = PACKED_MAX_SEGMENTS):
   """(ok, seqlen [B, M], offsets [B, M + 1]) of the runs of nonzero ids [B, T], as cuDNN's
   packed layout takes them (-1 past a row's last run). ok: every row's nonzero ids increase from
-  run to run, padding (id 0) only at its end, and at most M runs."""
+  run to run, padding (id 0) only at its end, at most M runs, and the batch has a run."""
   b, t = ids.shape
   start = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], 1) & (ids != 0)
   steps_ok = (ids[:, 1:] > ids[:, :-1]) | (ids[:, 1:] == ids[:, :-1]) | (ids[:, 1:] == 0)
   tail_ok = (ids[:, :-1] != 0) | (ids[:, 1:] == 0)
-  ok = jnp.all(steps_ok & tail_ok) & jnp.all(jnp.sum(start, axis=1) <= max_segments)
+  ok = (jnp.all(steps_ok & tail_ok) & jnp.all(jnp.sum(start, axis=1) <= max_segments)
+        & jnp.any(start))
   starts = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments, fill_value=t)[0])(start)
   used = starts < t
   filled = jnp.sum(ids != 0, axis=1, keepdims=True)

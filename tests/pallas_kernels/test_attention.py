@@ -276,16 +276,18 @@ def _runs_loop(row, max_segments):
     [[1, 1, 2, 1, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]],
     [[1, 1, 0, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]],
     [[3, 3, 3, 3, 2, 2, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]],
+    [[0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]],
 ])
 def test_cudnn_segments_match_a_loop(rows):
   """The packed layout's segments (lengths, offsets) and its runtime condition (increasing runs,
-  padding only at the end, at most M runs) against a loop over each row."""
+  padding only at the end, at most M runs, a run in the batch) against a loop over each row."""
   from pallas_kernels.attention import cudnn
   ids = jnp.asarray(rows, jnp.int32)
   for m in (4, 8):
     ok, seqlen, offsets = cudnn.segments_of(ids, m)
     want = [_runs_loop(r, m) for r in rows]
-    assert bool(ok) == all(w[0] for w in want), (rows, m)
+    has_run = any(x for r in rows for x in r)
+    assert bool(ok) == (all(w[0] for w in want) and has_run), (rows, m)
     if bool(ok):
       np.testing.assert_array_equal(np.asarray(seqlen), [w[1] for w in want])
       np.testing.assert_array_equal(np.asarray(offsets), [w[2] for w in want])
