@@ -355,8 +355,7 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
   out = list(leaves)
   for members in groups.values():
     done = _spread_newton_schulz(jnp.stack([layouts[i][1] for i in members]),
-                                 lambda x: newton_schulz(x, coeffs, steps, eps, dtype, fold),
-                                 dtype)
+                                 lambda x: newton_schulz(x, coeffs, steps, eps, dtype, fold))
     for i, part in zip(members, done):
       perm, _ = layouts[i]
       x = leaves[i]
@@ -372,12 +371,12 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
 SPREAD_AXES = ("expert", "data")
 """Mesh axes a group's blocks are spread over when `data` splits them (`_spread_newton_schulz`)."""
 SPREAD_CHUNK_BYTES = 1 << 30
-"""Blocks (in the NS dtype) a device iterates at once in a spread group: the group runs as a
-`lax.map` over chunks of at most this, so NS's products do not grow with the layers."""
+"""Bytes of blocks (fp32 moments) a device iterates at once in a spread group: the group runs as
+a `lax.map` over chunks of at most this, so NS's products do not grow with the layers."""
 
 
-def _spread_newton_schulz(stacked: jax.Array, ns: Callable[[jax.Array], jax.Array],
-                          dtype: Any) -> jax.Array:
+def _spread_newton_schulz(stacked: jax.Array, ns: Callable[[jax.Array], jax.Array]
+                          ) -> jax.Array:
   """`ns` of a group's blocks [L, b, A, B], each device iterating whole blocks of its own.
 
   FSDP splits a block's A or B over `data` (the `embed`, `latent`, ... rules), and NS contracts
@@ -400,9 +399,9 @@ def _spread_newton_schulz(stacked: jax.Array, ns: Callable[[jax.Array], jax.Arra
   chunks = sizes["expert"] if b % sizes["expert"] == 0 else 1
   per_chunk, m = devices // chunks, b // chunks * n_layers
   local = -(-m // per_chunk)
-  steps = max(1, -(-local * a * c * jnp.dtype(dtype).itemsize // SPREAD_CHUNK_BYTES))
+  steps = max(1, -(-local * a * c * stacked.dtype.itemsize // SPREAD_CHUNK_BYTES))
   k = -(-local // steps)
-  x = stacked.astype(dtype).transpose(1, 0, 2, 3).reshape(chunks, m, a, c)
+  x = stacked.transpose(1, 0, 2, 3).reshape(chunks, m, a, c)
   x = jnp.pad(x, ((0, 0), (0, per_chunk * steps * k - m), (0, 0), (0, 0)))
   spec = jax.sharding.PartitionSpec(SPREAD_AXES, None, None, None)
   x = jax.lax.with_sharding_constraint(x.reshape(devices, steps, k, a, c),
