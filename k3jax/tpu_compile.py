@@ -78,12 +78,21 @@ class Memory:
 
   def extrapolate(self, other: "Memory", units: int, other_units: int, to_units: int) -> "Memory":
     """The bytes linear in the scanned unit count through (units, self) and (other_units,
-    other); the code as `other`'s (one scan body however many units)."""
+    other); the code as `other`'s (one scan body however many units). Temporaries that shrink
+    from the smaller twin to the larger (the compiler recomputing more near the HBM limit) are
+    no line: the larger of the two is kept, a lower bound (`temporaries_linear` False)."""
     def line(a: int, b: int) -> int:
       return a + round((b - a) * (to_units - units) / (other_units - units))
+    grows = other.temporaries >= self.temporaries
+    temporaries = (line(self.temporaries, other.temporaries) if grows
+                   else max(self.temporaries, other.temporaries))
     return Memory(line(self.arguments, other.arguments), line(self.outputs, other.outputs),
-                  line(self.aliased, other.aliased), line(self.temporaries, other.temporaries),
-                  other.code)
+                  line(self.aliased, other.aliased), temporaries, other.code)
+
+  @staticmethod
+  def temporaries_linear(a: "Memory", b: "Memory") -> bool:
+    """Whether `extrapolate` draws the temporaries' line (they do not shrink from a to b)."""
+    return b.temporaries >= a.temporaries
 
 
 def twin_config(cfg: ml_collections.ConfigDict, units: int) -> ml_collections.ConfigDict:

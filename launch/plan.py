@@ -120,6 +120,11 @@ def _compile_report(cfg, devices, plan, units: int) -> str:
     memory = first.memory.extrapolate(runs[1].memory, units, units + 1, total)
     lines.append(f"compiled bytes: extrapolated from the twins of {units} and {units + 1} "
                  f"scanned units to {total} (linear in the unit count)")
+    if not tpu_compile.Memory.temporaries_linear(first.memory, runs[1].memory):
+      lines.append(f"compiled: temporaries shrink from {first.memory.temporaries} to "
+                   f"{runs[1].memory.temporaries} bytes between the twins (the compiler "
+                   "recomputes more near the HBM limit): not extrapolated; the larger twin's "
+                   "figure is a lower bound")
   state = plan.per_device.total
   unit, scale = next(u for u in _UNITS if memory.total >= u[1] or u[1] == 1)
   fits = "fits" if memory.total <= first.hbm else "does not fit"

@@ -124,6 +124,11 @@ def test_memory_extrapolates_linearly_in_units():
   m3 = tpu_compile.Memory(150, 130, 120, 45, 8)
   assert m2.extrapolate(m3, 2, 3, 22) == tpu_compile.Memory(1100, 890, 880, 140, 8)
   assert m2.extrapolate(m3, 2, 3, 22).total == 1100 + 890 - 880 + 140
+  # Temporaries that shrink between the twins are kept at the larger, not drawn below zero.
+  shrink = tpu_compile.Memory(m3.arguments, m3.outputs, m3.aliased, m2.temporaries - 50, 8)
+  assert m2.extrapolate(shrink, 2, 3, 22).temporaries == m2.temporaries
+  assert not tpu_compile.Memory.temporaries_linear(m2, shrink)
+  assert tpu_compile.Memory.temporaries_linear(m2, m3)
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
