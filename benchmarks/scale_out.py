@@ -102,20 +102,6 @@ def overrides(run: dict[str, int], toy: bool, steps: int, seq_len: int) -> dict:
   return out
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-  merged: list[list[float]] = []
-  for start, end in sorted(intervals):
-    if merged and start <= merged[-1][1]:
-      merged[-1][1] = max(merged[-1][1], end)
-    else:
-      merged.append([start, end])
-  return [(s, e) for s, e in merged]
-
-
-def _length(intervals) -> float:
-  return sum(e - s for s, e in intervals)
-
-
 def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
   """Length of the union `a` outside the union `b` (both sorted, disjoint)."""
   total, j = 0.0, 0
@@ -159,14 +145,15 @@ def trace_shares(trace: dict, steps: int) -> dict:
     spans[e["pid"]][collective_kind(e["name"]) or "compute"].append(interval)
   per_device = {}
   for pid, kinds in sorted(spans.items()):
-    everything = _union([i for ivs in kinds.values() for i in ivs])
-    compute = _union(kinds.get("compute", []))
+    everything = step_parts.union([i for ivs in kinds.values() for i in ivs])
+    compute = step_parts.union(kinds.get("compute", []))
     span = everything[-1][1] - everything[0][0]
-    row = {"span_ms": span / steps / 1e3, "busy_ms": _length(everything) / steps / 1e3,
-           "idle_ms": (span - _length(everything)) / steps / 1e3}
+    busy = step_parts.length(everything)
+    row = {"span_ms": span / steps / 1e3, "busy_ms": busy / steps / 1e3,
+           "idle_ms": (span - busy) / steps / 1e3}
     for kind in ("all_to_all", "permute", "other"):
-      ivs = _union(kinds.get(kind, []))
-      row[f"{kind}_ms"] = _length(ivs) / steps / 1e3
+      ivs = step_parts.union(kinds.get(kind, []))
+      row[f"{kind}_ms"] = step_parts.length(ivs) / steps / 1e3
       row[f"{kind}_exposed_ms"] = _minus(ivs, compute) / steps / 1e3
     per_device[names[pid]] = {k: round(v, 3) for k, v in row.items()}
   shares = {}

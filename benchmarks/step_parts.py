@@ -195,6 +195,21 @@ def op_events(trace: dict) -> list[dict]:
   return [e for e in spans if "hlo_op" in e.get("args", {})]
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  """The union of [start, end) intervals, sorted and disjoint."""
+  merged: list[list[float]] = []
+  for start, end in sorted(intervals):
+    if merged and start <= merged[-1][1]:
+      merged[-1][1] = max(merged[-1][1], end)
+    else:
+      merged.append([start, end])
+  return [(s, e) for s, e in merged]
+
+
+def length(intervals) -> float:
+  return sum(e - s for s, e in intervals)
+
+
 def timelines(trace: dict, steps: int) -> list[dict]:
   """Per device timeline (process, thread): events, their summed and their busy (union) ms per
   step, and the span from its first event's start to its last event's end. Busy below the
@@ -207,19 +222,13 @@ def timelines(trace: dict, steps: int) -> list[dict]:
   by_line = collections.defaultdict(list)
   for e in op_events(trace):
     by_line[(e["pid"], e.get("tid"))].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+  ms = lambda us: round(us / steps / 1e3, 3)
   out = []
   for key, spans in sorted(by_line.items(), key=lambda kv: -len(kv[1])):
-    spans.sort()
-    busy, end = 0.0, -float("inf")
-    for a, b in spans:
-      if b > end:
-        busy += b - max(a, end)
-        end = b
+    busy = union(spans)
     out.append(dict(process=procs.get(key[0], str(key[0])), thread=names.get(key, str(key[1])),
-                    events=len(spans),
-                    summed_ms=round(sum(b - a for a, b in spans) / steps / 1e3, 3),
-                    busy_ms=round(busy / steps / 1e3, 3),
-                    span_ms=round((end - spans[0][0]) / steps / 1e3, 3)))
+                    events=len(spans), summed_ms=ms(length(spans)), busy_ms=ms(length(busy)),
+                    span_ms=ms(busy[-1][1] - busy[0][0])))
   return out
 
 
@@ -276,26 +285,23 @@ _DIR = flags.DEFINE_string("parts_dir", None, "The --profile_dir of train_step.p
 _STEPS = flags.DEFINE_integer("parts_steps", 2, "Steps in the trace.")
 
 
-def _load(profile_dir: str) -> dict:
+def load_dir(profile_dir: str) -> tuple[dict, str]:
+  """(the newest trace under `profile_dir`, its `HLO_FILE`'s text)."""
   with gzip.open(find_trace(profile_dir)) as f:
-    return json.load(f)
+    trace = json.load(f)
+  return trace, (pathlib.Path(profile_dir) / HLO_FILE).read_text()
 
 
 def table_from_dir(profile_dir: str, steps: int) -> list[dict]:
   """`part_records` of the newest trace under `profile_dir` and its `HLO_FILE`."""
-  return part_records(_load(profile_dir), (pathlib.Path(profile_dir) / HLO_FILE).read_text(),
-                      steps)
-
-
-def timelines_from_dir(profile_dir: str, steps: int) -> list[dict]:
-  """`timelines` of the newest trace under `profile_dir`."""
-  return timelines(_load(profile_dir), steps)
+  return part_records(*load_dir(profile_dir), steps)
 
 
 def main(argv):
   del argv
-  print(markdown(table_from_dir(_DIR.value, _STEPS.value)))
-  for line in timelines_from_dir(_DIR.value, _STEPS.value):
+  trace, hlo = load_dir(_DIR.value)
+  print(markdown(part_records(trace, hlo, _STEPS.value)))
+  for line in timelines(trace, _STEPS.value):
     print(line)
 
 

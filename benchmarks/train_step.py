@@ -130,9 +130,10 @@ def main(argv):
         state, m = step(state, bt)
       jax.block_until_ready(m)
     (pathlib.Path(_PROFILE_DIR.value) / step_parts.HLO_FILE).write_text(step.as_text())
-    parts = step_parts.table_from_dir(_PROFILE_DIR.value, 2)
+    trace, hlo = step_parts.load_dir(_PROFILE_DIR.value)
+    parts = step_parts.part_records(trace, hlo, 2)
     print(step_parts.markdown(parts))
-    lines = step_parts.timelines_from_dir(_PROFILE_DIR.value, 2)
+    lines = step_parts.timelines(trace, 2)
     for line in lines:
       print(line)
   tok_s = b * s / dt

@@ -83,8 +83,8 @@ class Memory:
     no line: the larger of the two is kept, a lower bound (`temporaries_linear` False)."""
     def line(a: int, b: int) -> int:
       return a + round((b - a) * (to_units - units) / (other_units - units))
-    grows = other.temporaries >= self.temporaries
-    temporaries = (line(self.temporaries, other.temporaries) if grows
+    temporaries = (line(self.temporaries, other.temporaries)
+                   if Memory.temporaries_linear(self, other)
                    else max(self.temporaries, other.temporaries))
     return Memory(line(self.arguments, other.arguments), line(self.outputs, other.outputs),
                   line(self.aliased, other.aliased), temporaries, other.code)

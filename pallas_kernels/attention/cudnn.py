@@ -67,7 +67,7 @@ def segments_of(ids: jax.Array, max_segments: int = PACKED_MAX_SEGMENTS):
   run to run, padding (id 0) only at its end, at most M runs, and the batch has a run."""
   b, t = ids.shape
   start = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], 1) & (ids != 0)
-  steps_ok = (ids[:, 1:] > ids[:, :-1]) | (ids[:, 1:] == ids[:, :-1]) | (ids[:, 1:] == 0)
+  steps_ok = (ids[:, 1:] >= ids[:, :-1]) | (ids[:, 1:] == 0)
   tail_ok = (ids[:, :-1] != 0) | (ids[:, 1:] == 0)
   ok = (jnp.all(steps_ok & tail_ok) & jnp.all(jnp.sum(start, axis=1) <= max_segments)
         & jnp.any(start))
