@@ -5,6 +5,8 @@ sum; each sublayer's input is a softmax mix over the completed block sums [b_0 (
 b_1, ...] and the partial sum, scored by a learned pseudo-query against RMS-normalised keys
 (values are not normalised).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,28 +14,52 @@ from flax import nnx
 from k3jax import params
 
 
-def _scores(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-  """<v / rms(v), w> over the last axis, fp32: [..., d] -> [...] (Eq. 9's logits)."""
-  v = v.astype(jnp.float32)
-  return jnp.sum(v * w, axis=-1) * jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mix(sources: tuple, valid: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """Softmax mix of sources (S arrays [B, T, d], those where `valid` [S]) scored by w [d] (Eq. 9).
 
-
-def _mix(blocks: jax.Array, valid: jax.Array, partial: jax.Array, query: jax.Array,
-         norm_scale: jax.Array, eps: float) -> jax.Array:
-  """Softmax mix of blocks [N, B, T, d] (where `valid` [N]) and partial [B, T, d] (Eq. 9).
-
-  Written as per-source reductions and weighted sums, not as einsums: an einsum over the
-  source axis lowers to B*T matmuls of [1, S] x [S, d], far slower than one elementwise pass.
-  The keys v / rms(v) are never formed: <v / rms(v), w> = <v, w> / rms(v).
+  Per-source reductions and weighted sums, no einsum over the source axis (that lowers to B*T
+  matmuls of [1, S] x [S, d]) and no stack of the sources; the keys v / rms(v) are never formed:
+  <v / rms(v), w> = <v, w> / rms(v). Returns [B, T, d] in the last source's dtype.
   """
-  w = norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
-  sb = jnp.where(valid[:, None, None], _scores(blocks, w, eps), -jnp.inf)  # [N, B, T]
-  sp = _scores(partial, w, eps)  # [B, T]
-  m = jnp.maximum(jnp.max(sb, axis=0, initial=-jnp.inf), sp)
-  eb, ep = jnp.exp(sb - m), jnp.exp(sp - m)
-  z = eb.sum(axis=0) + ep
-  out = jnp.sum((eb / z)[..., None] * blocks.astype(jnp.float32), axis=0)
-  return (out + (ep / z)[..., None] * partial.astype(jnp.float32)).astype(partial.dtype)
+  return _mix_fwd(sources, valid, w, eps)[0]
+
+
+def _mix_fwd(sources, valid, w, eps):
+  a = jnp.stack([jnp.sum(v.astype(jnp.float32) * w, axis=-1) for v in sources])  # [S, B, T]
+  r = jnp.stack([jax.lax.rsqrt(jnp.mean(jnp.square(v.astype(jnp.float32)), axis=-1) + eps)
+                 for v in sources])
+  p = jax.nn.softmax(jnp.where(valid[:, None, None], a * r, -jnp.inf), axis=0)
+  out = sum(p[i][..., None] * v.astype(jnp.float32) for i, v in enumerate(sources))
+  return out.astype(sources[-1].dtype), (sources, valid, w, a, r, p)
+
+
+def _mix_bwd(eps, res, g):
+  """Eq. 9's gradients from the forward's [S, B, T] statistics, one pass over each source for
+  its dp and one for its dv (autodiff of the forward took 10x the forward's time in the k3_small
+  step on an H200, 2026-12-03): dp_i = <g, v_i>, ds_i = p_i (dp_i - sum_j p_j dp_j), and
+  with s_i = a_i r_i (a_i = <v_i, w>, r_i = rsqrt(mean(v_i^2) + eps), dr_i/dv_i = -r_i^3 v_i / d)
+  dv_i = p_i g + ds_i r_i (w - a_i r_i^2 v_i / d), dw = sum_i sum_bt ds_i r_i v_i."""
+  del eps
+  sources, valid, w, a, r, p = res
+  g = g.astype(jnp.float32)
+  dp = jnp.stack([jnp.sum(g * v.astype(jnp.float32), axis=-1) for v in sources])
+  valid = valid[:, None, None]  # masked sources get zeros, whatever their (unread) values
+  pdp = jnp.where(valid, p * dp, 0.0)
+  c = jnp.where(valid, (pdp - p * jnp.sum(pdp, axis=0)) * r, 0.0)  # ds_i r_i, [S, B, T]
+  e = jnp.where(valid, c * a * r * r / w.shape[0], 0.0)
+  dsources = tuple(
+      (p[i][..., None] * g + c[i][..., None] * w - e[i][..., None] * v.astype(jnp.float32)
+       ).astype(v.dtype) for i, v in enumerate(sources))
+  dw = sum(jnp.einsum("bt,btd->d", c[i], v.astype(jnp.float32)) for i, v in enumerate(sources))
+  return dsources, None, dw
+
+
+_mix.defvjp(_mix_fwd, _mix_bwd)
+
+
+def _score_weight(query: jax.Array, norm_scale: jax.Array) -> jax.Array:
+  return norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
 
 
 def attn_res_mix(sources: list[jax.Array], query: jax.Array, norm_scale: jax.Array,
@@ -42,8 +68,7 @@ def attn_res_mix(sources: list[jax.Array], query: jax.Array, norm_scale: jax.Arr
 
   sources: S arrays [B, T, d]; query, norm_scale: [d]. Returns [B, T, d] in the sources' dtype.
   """
-  blocks = jnp.stack(sources[:-1]) if len(sources) > 1 else sources[-1][None][:0]
-  return _mix(blocks, jnp.ones(blocks.shape[0], bool), sources[-1], query, norm_scale, eps)
+  return _mix(tuple(sources), jnp.ones(len(sources), bool), _score_weight(query, norm_scale), eps)
 
 
 def pseudo_query(dim: int, *, rngs: nnx.Rngs) -> tuple[nnx.Dict, nnx.Dict]:
@@ -68,7 +93,10 @@ def attn_res_mix_masked(blocks: jax.Array, count: jax.Array, partial: jax.Array,
   sums; partial: [B, T, d]. The unused slots are masked out of the softmax over sources (Eq. 9),
   so they get zero weight. Returns [B, T, d] in partial's dtype.
   """
-  return _mix(blocks, jnp.arange(blocks.shape[0]) < count, partial, query, norm_scale, eps)
+  n = blocks.shape[0]
+  sources = tuple(jnp.squeeze(b, 0) for b in jnp.split(blocks, n)) + (partial,)
+  valid = jnp.concatenate([jnp.arange(n) < count, jnp.ones(1, bool)])
+  return _mix(sources, valid, _score_weight(query, norm_scale), eps)
 
 
 def push_block(blocks: jax.Array, count: jax.Array, partial: jax.Array, boundary: jax.Array
