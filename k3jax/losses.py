@@ -76,6 +76,21 @@ def _block_logits(h_blk: jax.Array, w: jax.Array, j: jax.Array, bv: int):
   return jnp.where(new[None, :], logits, -jnp.inf), w_blk, jnp.where(new, cols, -1)
 
 
+def _logsumexp(logits: jax.Array) -> jax.Array:
+  """Row logsumexp [bt] of logits [bt, bv] fp32 in one read: a reduce of (running max, sum of
+  exp(x - max)) pairs with one exp an element (`jax.nn.logsumexp` reads the logits twice, for the
+  max and then for the sum)."""
+  def combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    d = m2 - m1
+    e = jnp.where(jnp.isnan(d), 0.0, jnp.exp(-jnp.abs(d)))  # both -inf: nothing to add
+    return jnp.maximum(m1, m2), jnp.where(d > 0, s2 + s1 * e, s1 + s2 * e)
+
+  m, s = lax.reduce((logits, jnp.ones_like(logits)), (jnp.float32(-jnp.inf), jnp.float32(0.0)),
+                    combine, (1,))
+  return m + jnp.log(s)
+
+
 def _ce_and_grads(h, w, targets, weights, bt: int, bv: int, grads: bool):
   """Per-token CE [N] fp32 and, with `grads`, the gradients of sum_i weights_i CE_i w.r.t. h
   [N, d] and w [d, V] (fp32; else None).
@@ -95,7 +110,7 @@ def _ce_and_grads(h, w, targets, weights, bt: int, bv: int, grads: bool):
     t_blk = lax.dynamic_slice_in_dim(targets, r0, bt)
     if nv == 1:
       logits, w_blk, cols = _block_logits(h_blk, w, 0, bv)
-      lse = jax.nn.logsumexp(logits, axis=1)
+      lse = _logsumexp(logits)
       tgt = jnp.sum(jnp.where(cols[None, :] == t_blk[:, None], logits, 0.0), axis=1)
     else:
       def vocab_block(c, j):
