@@ -286,7 +286,9 @@ def _block_layout(shape: tuple[int, ...], dims: DimNums
 def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int,
                   eps: float = 1e-8, dtype: Any = jnp.float32, fold: bool = False
                   ) -> jax.Array:
-  """NS5 of a batch of blocks x [..., m, n], m <= n: X <- aX + (b XX^T + c (XX^T)^2) X.
+  """NS5 of a batch of blocks x [..., m, n], m <= n: X <- aX + (b XX^T + c (XX^T)^2) X, formed
+  as (aI + bA + cA^2) X with A = XX^T: one elementwise pass over [m, m] a step (aX + BX took
+  one over [m, m] and one over [m, n]).
 
   Each block is first divided by its Frobenius norm (in fp32), then iterated in `dtype`
   (Muon, Jordan 2024, runs bf16; fp32 reproduces `optax.contrib.muon`). Returns fp32.
@@ -299,9 +301,10 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int,
   if fold:
     return _newton_schulz_folded(x, coeffs, steps, dtype)
   c0, c1, c2 = (jnp.asarray(c, dtype) for c in coeffs)
+  eye = jnp.eye(x.shape[-2], dtype=dtype)
   for _ in range(steps):
     a = jnp.einsum("...ij,...kj->...ik", x, x)
-    x = c0 * x + jnp.einsum("...ij,...jk->...ik", c1 * a + c2 * (a @ a), x)
+    x = jnp.einsum("...ij,...jk->...ik", c0 * eye + c1 * a + c2 * (a @ a), x)
   return x.astype(jnp.float32)
 
 
