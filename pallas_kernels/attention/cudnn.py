@@ -14,14 +14,19 @@ and o as well, so v is zero-padded to Dk there and o sliced. cuDNN leaves the ou
 gradients of tokens outside every segment (padding, id 0) unwritten: q, k, v enter through a
 select on the valid tokens and o leaves through one, which zeroes those rows both ways. Rows the
 packed layout cannot express (ids that are not increasing runs with padding only at the end, or
-more than `PACKED_MAX_SEGMENTS` runs) take, by a runtime branch, a boolean mask [B, 1, T, S]
-(equal nonzero segment ids) beside the causal mask type: JAX turns it into a constant additive
-bias (no bias gradient), which cuDNN reads for every head over all of [T, S] (1.7-1.9x the
-unmasked time at K3's shapes). Separate q and kv ids always take the mask.
+more than `PACKED_MAX_SEGMENTS` runs) take, by a runtime branch, xla_blockwise's flash
+attention: under autodiff a `lax.cond` returns both branches' residuals, and cuDNN's mask form
+would make every packed call write a zero [B, 1, T, S] bias for the branch it did not take
+(268 MB a layer at k3_small's B 2 x T 8192). Separate q and kv ids take a boolean mask [B, 1, T,
+S] (equal nonzero segment ids) beside the causal mask type: JAX turns it into a constant
+additive bias (no bias gradient), which cuDNN reads for every head over all of [T, S] (1.7-1.9x
+the unmasked time at K3's shapes).
 """
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+
+from pallas_kernels.attention import xla_blockwise
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256
@@ -113,7 +118,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array
         ok,
         lambda q, k, v: _packed(q, k, v, q_segment_ids, seqlen, offsets, causal, scale)[
             ..., :dv],
-        lambda q, k, v: _masked(q, k, v, q_segment_ids, q_segment_ids, kind, scale)[..., :dv],
+        lambda q, k, v: xla_blockwise.attention(q, k, v, q_segment_ids, q_segment_ids,
+                                                causal=causal, scale=scale)[0][..., :dv],
         q, k, v)
   else:
     o = _masked(q, k, v, q_segment_ids, kv_segment_ids, kind, scale)[..., :dv]

@@ -3,7 +3,7 @@
 Forward, dq / dk / dv and the per-head max logit, bf16 (cudnn) and f16 (mosaic_gpu), at K3's
 head dims (q/k 192, v 128): causal, non-causal, a length that is no multiple of 64. The plan
 must pick the tier, so a silent fall-through fails the test. Packed documents (padding id 0)
-go to cuDNN's packed layout, or by a runtime branch to a boolean mask where the layout cannot
+go to cuDNN's packed layout, or by a runtime branch to xla_blockwise where the layout cannot
 express them (more than `PACKED_MAX_SEGMENTS` runs, ids not increasing); both branches are
 checked, and padding tokens must get zero outputs and gradients. The kernel tiers' max logit comes from the Pallas Triton kernel
 (`max_logit_triton`) where T is a multiple of its 128-row block, else from xla_blockwise; the
@@ -77,8 +77,8 @@ def test_cudnn_packed(b, t, docs, causal):
 
 
 @pytest.mark.parametrize("order", ["too_many", "decreasing"])
-def test_cudnn_packed_falls_back_to_the_mask(order):
-  """Rows the packed layout cannot express take the boolean-mask branch at run time."""
+def test_cudnn_packed_falls_back_to_xla_blockwise(order):
+  """Rows the packed layout cannot express take xla_blockwise's branch at run time."""
   from pallas_kernels.attention import cudnn
   ids = packed_ids(2, 256, cudnn.PACKED_MAX_SEGMENTS + 4 if order == "too_many" else 4)
   if order == "decreasing":
