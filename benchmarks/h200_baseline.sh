@@ -32,6 +32,8 @@
 #                                                          # compiled cold without, then with the
 #                                                          # Mosaic GPU kernels prebuilt
 #   bash benchmarks/h200_baseline.sh train_trace           # ~7 min: XLA trace of two k3_small steps
+#   bash benchmarks/h200_baseline.sh lm_head               # ~2 min: LM head + CE fwd+bwd, dense vs
+#                                                          # blockwise per block size, largest ops
 #   bash benchmarks/h200_baseline.sh muon                  # ~1 min: per-head Muon's orthogonalize
 #                                                          # against Newton-Schulz per block group
 #   bash benchmarks/h200_baseline.sh train_cache           # <= 8 min: the step's compile through JAX's
@@ -316,6 +318,10 @@ PY
           --out=$OUT/mxfp4_xla_${run%%|*}.json 2>&1 | tee -a $OUT/mxfp4_xla.log \
           | grep -E "device|mxfp4_xla|Error"
       done
+      ;;
+    lm_head)
+      timeout ${LM_HEAD_S:-200} python3 -m benchmarks.lm_head --ops ${LM_HEAD_ARGS:-} \
+        --out=$OUT/lm_head_h200.json 2>&1 | tee $OUT/lm_head.log | grep -E "ms|Error"
       ;;
     muon)
       timeout ${MUON_S:-150} python3 -m benchmarks.muon_ns --out=$OUT/muon_h200.json 2>&1 \

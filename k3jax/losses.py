@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK_TOKENS = 2048  # H200, N 16384 x d 1024 x V 163840 bf16: fwd+bwd 33.4 ms (dense 54.8 ms)
+# H100, N 16384 x d 1024 x V 163840 bf16, fwd+bwd (benchmarks/lm_head.py, 2026-12-06): 34.3 ms
+# (2048: 35.5, 8192: 33.8 for twice the logits block, dense 60.9).
+BLOCK_TOKENS = 4096
 
 
 def lm_head_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: jax.Array, *,

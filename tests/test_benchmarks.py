@@ -382,3 +382,14 @@ def test_muon_ns_benchmark_times_orthogonalize_and_its_groups(tmp_path):
   plain = [r for r in recs.values() if not r["fold"]]
   assert len(plain) * 2 == len(recs)
   assert sum(r["tflop"] for r in plain) <= whole["tflop"] + 1e-3
+
+
+def test_lm_head_benchmark_times_dense_and_every_block_size(tmp_path):
+  out = tmp_path / "lm_head.json"
+  run_module("benchmarks.lm_head", "--toy", "--block_tokens=64,128", f"--out={out}")
+  recs = {r["implementation"]: r for r in records(out)}
+  assert set(recs) == {"dense", "blockwise_bt64", "blockwise_bt128"}
+  for r in recs.values():
+    assert (r["N"], r["d"], r["V"]) == (256, 64, 1000) and r["median_ms"] > 0
+    assert r["model_tflop"] == round(6 * 256 * 64 * 1000 / 1e12, 3)
+    assert abs(r["loss_minus_dense"]) < 1e-3
