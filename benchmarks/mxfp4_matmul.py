@@ -18,7 +18,9 @@ Rows (implementation):
   rows) by name, its default config (a decline is recorded, not timed);
 - "mxfp4_triton_<name>": the Triton tier with the candidate config `triton.CONFIGS[name]`
   (`--triton_configs`, block_k shrunk to divide K by `triton.fit`; a config the tier declines at
-  a shape is recorded, not timed);
+  a shape is recorded, not timed); a config with `act="mxfp8"` (x rounded to MXFP8, fp8 MMAs)
+  is checked against the reference's fp32 product of MXFP8-rounded x (`reference` says so,
+  `rel_l2_vs_bf16_x` gives its distance from the bf16-x reference);
 - "mxfp4_reference": the reference tier, XLA dequantizing the packed weight on every call;
 - "mxfp4_xla": the xla tier, the weight in XLA's float4 / E8M0 types (a dequantization XLA's
   GEMM fusion may take: run with XLA_FLAGS to try it);
@@ -156,6 +158,23 @@ def triton_configs(k: int, names: list[str]) -> dict:
   return {f"mxfp4_triton_{name}": triton.fit(triton.CONFIGS[name], k) for name in names}
 
 
+def rounds_x_to_mxfp8(name: str, m: int, k: int, n: int, grouped: bool, tconfigs: dict) -> bool:
+  """Whether a row's kernel rounds x to MXFP8 (the Triton tier with act "mxfp8")."""
+  if name in tconfigs:
+    return tconfigs[name].act == "mxfp8"
+  return name == "mxfp4_triton" and triton.default_config(m, k, n, grouped).act == "mxfp8"
+
+
+def mxfp8_reference(x, packed, scale, grouped: bool) -> jax.Array:
+  """The oracle of rows that round x to MXFP8: the reference tier's product of x quantized by
+  `mx.quantize(x, "mxfp8")` and dequantized (fp32 operands, HIGHEST precision), fp32."""
+  xq = mx.dequantize(*mx.quantize(x, "mxfp8", axis=-1))
+  if grouped:
+    return op.mxfp4_ragged_dot(xq, packed, scale, sizes(x), impl="reference",
+                               preferred_element_type=jnp.float32)
+  return op.mxfp4_matmul(xq, packed, scale, impl="reference", preferred_element_type=jnp.float32)
+
+
 def implementations(grouped: bool, toy: bool, configs: dict, tconfigs: dict) -> dict:
   """name -> (fn(x, *weights), which weights: "mxfp4" (packed, scale) or "bf16"); configs:
   `variant_configs`, tconfigs: `triton_configs`, run through the tier modules directly."""
@@ -283,17 +302,24 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
           f"{tbps:6.3f} TB/s weights  [{ran}] {note}", flush=True)
   peer = next((r for r in records if r["implementation"] in ("bf16_xla", "bf16_ragged_dot")
                and r.get("median_ms")), None)
-  ref = outputs["mxfp4_reference"]
+  ref, ref8 = outputs["mxfp4_reference"], None
+  rel_l2 = lambda out, want: float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
   for ours in records:
-    if not (ours["implementation"].startswith("mxfp4_")
-            and ours["implementation"] != "mxfp4_reference" and ours.get("median_ms") and peer):
+    name = ours["implementation"]
+    if not (name.startswith("mxfp4_") and name != "mxfp4_reference" and ours.get("median_ms")
+            and peer):
       continue
     ours["speedup_vs_bf16"] = peer["median_ms"] / ours["median_ms"]
-    ours["rel_l2_vs_reference"] = float(jnp.linalg.norm(outputs[ours["implementation"]] - ref)
-                                        / jnp.linalg.norm(ref))
-    print(f"  {ours['implementation']} / {peer['implementation']}: "
-          f"{ours['speedup_vs_bf16']:.2f}x, relative L2 vs the reference "
-          f"{ours['rel_l2_vs_reference']:.1e}", flush=True)
+    want, which = ref, "the reference"
+    if rounds_x_to_mxfp8(name, m, k, n, grouped, tconfigs):
+      if ref8 is None:
+        ref8 = mxfp8_reference(x, *sets["mxfp4"][0], grouped)
+      want, which = ref8, "the reference of MXFP8 x"
+      ours.update(reference="mxfp4_reference of MXFP8-rounded x, fp32",
+                  rel_l2_vs_bf16_x=rel_l2(outputs[name], ref))
+    ours["rel_l2_vs_reference"] = rel_l2(outputs[name], want)
+    print(f"  {name} / {peer['implementation']}: {ours['speedup_vs_bf16']:.2f}x, relative L2 "
+          f"vs {which} {ours['rel_l2_vs_reference']:.1e}", flush=True)
   return records
 
 

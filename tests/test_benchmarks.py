@@ -88,12 +88,13 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
 def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
   out = tmp_path / "mxfp4.json"
   run_module("benchmarks.mxfp4_matmul", "--toy", f"--out={out}",
-             "--variants=unswapped,full_x", "--triton_configs=swap64")
+             "--variants=unswapped,full_x", "--triton_configs=swap64,n32_fp8")
   recs = records(out)
   rows = {(r["op"], r["shape"]["M"], r["implementation"]) for r in recs}
   ours = ("mxfp4_mosaic_gpu", "mxfp4_mosaic_gpu_full_x")
   unswapped = "mxfp4_mosaic_gpu_unswapped"   # the default swaps at M <= 16 only
-  tritons = ("mxfp4_triton", "mxfp4_triton_swap64")
+  fp8 = "mxfp4_triton_n32_fp8"       # x rounded to MXFP8: checked against its own oracle
+  tritons = ("mxfp4_triton", "mxfp4_triton_swap64", fp8)
   mxfp4 = ours + tritons + ("mxfp4_reference", "mxfp4_xla", "mxfp4_unpacked")
   assert rows == {("mxfp4_matmul", m, impl) for m in (16, 72)
                   for impl in mxfp4 + ("bf16_xla",)} | {
@@ -123,6 +124,9 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
       assert r["tier"] == "triton" and "Config(" in r["note"], r
       assert r["speedup_vs_bf16"] > 0 and r["rel_l2_vs_reference"] < 1e-2, r
       assert ("swap=True" in r["note"]) == (impl == "mxfp4_triton_swap64"), r
+      assert ("act='mxfp8'" in r["note"]) == (impl == fp8) == ("reference" in r), r
+    if impl == fp8:       # bf16 output of the MXFP8 product; x's E4M3 rounding is ~3e-2
+      assert r["rel_l2_vs_reference"] < 5e-3 and r["rel_l2_vs_bf16_x"] > 1e-2, r
 
 def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_path):
   out = tmp_path / "moe_decode.json"

@@ -58,6 +58,32 @@ Dequantization (`Config.dequant`), exact in bf16 (a 2-bit-mantissa value times a
 The scales are broadcast along the 16 bytes of their block (a [block_n, block_k/32, 1]
 operand), so there is no gather.
 
+MXFP8 activations (`Config.act="mxfp8"`, K3's inference format: its QAT fake-quantizes the
+routed experts' inputs to MXFP8 per 32 along K): small XLA ops before the kernel quantize x by
+`k3jax.mx.quantize(x, "mxfp8")` (E4M3 elements, E8M0 scales sx per 32 along K, the floor rule)
+into E4M3 bytes, each block's 32 columns permuted to [even 16 | odd 16], and fp32 factors
+2^(sx - 121) (NaN for 255; normal for every sx of a bf16 x, at most 246). A nibble c becomes
+the E4M3 byte ((c & 7) << 2) | ((c & 8) << 4), exactly v(c) * 2^-6 (exponent bits at E4M3's
+low exponent bits, mantissa bit at its top mantissa bit; 0.5 becomes the subnormal 2^-7): for
+a register r of 4 packed bytes, the low nibbles ((r << 2) & 0x1C1C1C1C) | ((r << 4) &
+0x80808080), the high ones ((r >> 2) & 0x1C1C1C1C) | (r & 0x80808080), four weights an op
+(inline PTX with dequant "ptx", else the same shifts on bytes), giving W's block as [low 16 |
+high 16] = [even | odd], x's order. Each block of 32 along K (a [block_n, 16] packed load, x's
+[block_m, 32] bytes) is one fp8 `dot` of K = 32 (the fp8 MMA's K) into fp32, then
+  acc += dot * 2^(sx - 121) * 2^(sw - 127)
+x's factor first (it also undoes the weights' 2^-6: the partial becomes x times the unscaled
+E2M1 values), W's after. The K step's factor and scale tiles are loaded as rows and split into
+columns in registers. The dot is a private primitive whose Triton op sets `maxNumImpreciseAcc`
+= 32: with jax 0.11.2's `dot_general` lowering (0) Triton refuses wgmma for an fp8 dot into fp32
+and runs mma.sync with both operands upcast to fp16 on Hopper. wgmma needs 64 rows of the
+result, so on Hopper only `swap` with block_n 64 or 128 runs on the fp8 MMA. Accuracy: x is
+rounded to E4M3, a relative error up to 2^-4 per element (~3e-2 relative L2 of the output at
+random x); products and block sums are exact in fp32, so the result is the fp32 product of
+MXFP8 x and W up to summation order and the MMA's accumulation. A weight past fp32's range
+(|v| >= 4 under scale 253, >= 2 under 254) is never formed: its products are rounded once (the
+bf16 mode and the reference give inf). The interpreter (XLA:CPU) flushes the subnormal factor
+2^-127 of scale byte 0; the GPU keeps it.
+
 Grouped: program (j, t) takes the t-th non-empty group (from group_sizes, loaded whole into
 registers: prefix sums clamped to M, ranks of the non-empty groups by `cumsum`), and loops over
 its rows in blocks of block_m (each block re-reads the weight tile, from L2); slot t = min(G, M)
@@ -67,25 +93,33 @@ with few rows launches min(G, M) + 1 slots per column block, not G.
 
 Constraints (`supports_*` give the reason): an NVIDIA GPU of compute capability >= 8.0 (or
 interpret), x bf16, output bf16 or fp32, K a multiple of block_k, N a multiple of block_n, block
-sizes powers of two (block_m, block_n >= 16, block_k >= 64), at most MAX_GROUPS groups. Any M
-runs; the tier is meant for few rows (each row block re-reads the weights). Not differentiable
-by itself (the API's custom VJP differentiates x through the reference).
+sizes powers of two (block_m, block_n >= 16, block_k >= 64), at most MAX_GROUPS groups; "mxfp8"
+needs compute capability >= 8.9 (fp8 MMA) and no `fma`. Any M runs; the tier is meant for few
+rows (each row block re-reads the weights). Not differentiable by itself (the API's custom VJP
+differentiates x through the reference).
 """
 import dataclasses
 import functools
 
 import jax
 from jax import lax
+from jax._src import core as jax_core
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 import jax.numpy as jnp
 
+from k3jax import mx
 from pallas_kernels import tiers
 from pallas_kernels.mxfp4_matmul import reference
 
 BLOCK = 32                      # elements per E8M0 scale along K
 HALF = BLOCK // 2               # packed bytes per scale block
 DEQUANTS = ("exp", "shift", "ptx")
+ACTS = ("bf16", "mxfp8")
 MAX_GROUPS = 1 << 14            # group_sizes is loaded whole into one program's registers
 MAX_GRID = 65535                # CUDA's limit on the grid's second dim (row blocks or slots)
 _BLOCK_K_CHOICES = (512, 256, 128, 64)
@@ -100,7 +134,10 @@ class Config:
   dequant "exp", "shift" or "ptx" (module docstring); swap: acc^T = W x^T (the weight tile as
   the MMA's A operand) instead of acc = x W^T; split_k: programs sharing one output tile's K
   steps (their number divides K / block_k; `fit` lowers it to the largest divisor); fma: the
-  products on the CUDA cores instead of the MMA (module docstring; block_m and block_n from 1)."""
+  products on the CUDA cores instead of the MMA (module docstring; block_m and block_n from 1);
+  act: "bf16" (x as given, bf16 MMAs) or "mxfp8" (x quantized to MXFP8, fp8 MMAs per block of
+  32, wgmma on Hopper with swap and block_n >= 64; dequant "ptx" converts the nibbles in inline
+  PTX, "exp" and "shift" with the same shifts on bytes)."""
   block_n: int = 16
   block_k: int = 512
   block_m: int = 16
@@ -110,6 +147,7 @@ class Config:
   swap: bool = False
   split_k: int = 1
   fma: bool = False
+  act: str = "bf16"
 
 
 # Candidates for the benchmark sweep (`benchmarks/mxfp4_matmul.py --triton_configs`); block_k
@@ -139,18 +177,32 @@ CONFIGS = {
     # The fastest tier at one row (9.8-10.4 us, H200, 2026-12-03), ~10x slower at 16 rows (each
     # row its own pass over the weight tile); block_n 8 and 16 were 1.5-1.7x slower at one row.
     "fma_n4_w2": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True),
+    # MXFP8 x on the fp8 MMA (`act`), unmeasured. Swapped with 64 or 128 weight rows, wgmma's
+    # M on Hopper (sm_90a SASS per K step of 64 x 256 weights: 568 instructions against n32_ptx's
+    # 811 for the same count); split-K; n32_ptx's tile unswapped, whose 16-row dots Triton runs
+    # on mma.sync with both operands upcast to fp16 on Hopper (native fp8 from sm_89's mma.sync).
+    "swap64_fp8": Config(block_n=64, block_k=256, dequant="ptx", swap=True, act="mxfp8"),
+    "swap128_fp8": Config(block_n=128, block_k=256, dequant="ptx", swap=True, act="mxfp8"),
+    "swap64_fp8_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", swap=True,
+                                      split_k=16, num_stages=1, act="mxfp8"),
+    "n32_fp8": Config(block_n=32, dequant="ptx", act="mxfp8"),
 }
+
+
+def _compute_capability() -> int:
+  """The default device's (or the abstract mesh's) compute capability, 0 if not an NVIDIA GPU."""
+  if not plgpu_triton.is_gpu_device():
+    return 0
+  try:
+    return plgpu_triton.get_gpu_info().compute_capability
+  except ValueError:
+    return 0
 
 
 def is_gpu() -> bool:
   """True when the default device (or the abstract mesh's, when lowering ahead of time for
   one) is an NVIDIA GPU with bf16 MMA (compute capability >= 8.0)."""
-  if not plgpu_triton.is_gpu_device():
-    return False
-  try:
-    return plgpu_triton.get_gpu_info().compute_capability >= 80
-  except ValueError:
-    return False
+  return _compute_capability() >= 80
 
 
 def _device_kind() -> str:
@@ -192,6 +244,10 @@ def check_config(cfg: Config, k: int, n: int) -> str | None:
       return f"{name}={b} must be a power of two >= {least} (Triton tiles, MMA dims >= 16)"
   if cfg.fma and cfg.swap:
     return "swap transposes the MMA's operands; fma has no MMA"
+  if cfg.act not in ACTS:
+    return f"act must be one of {ACTS}, got {cfg.act!r}"
+  if cfg.fma and cfg.act == "mxfp8":
+    return "act='mxfp8' feeds fp8 MMAs; fma has no MMA"
   if k % cfg.block_k:
     return f"K={k} is not a multiple of block_k={cfg.block_k}"
   if cfg.split_k < 1 or (k // cfg.block_k) % cfg.split_k:
@@ -230,6 +286,9 @@ def _supports(x, w_packed, w_scale, groups: int, preferred_element_type, interpr
   cfg = default_config(m, k, n, groups > 1) if config is None else config
   if reason := check_config(cfg, k, n):
     return reason
+  if not interpret and cfg.act == "mxfp8" and _compute_capability() < 89:
+    return (f"act='mxfp8' needs fp8 MMA (compute capability >= 8.9), the default device is "
+            f"{_device_kind()}")
   if groups == 1 and pl.cdiv(m, cfg.block_m) > MAX_GRID:
     return f"M={m} needs more than {MAX_GRID} row blocks of {cfg.block_m} (CUDA's grid y)"
   return None
@@ -352,6 +411,56 @@ def e8m0_f32(scale: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def x_factor(scale: jax.Array) -> jax.Array:
+  """x's E8M0 bytes s (at most 246 from a bf16 x, or 255) -> 2^(s - 121) = 2^(s - 127) * 2^6 in
+  fp32, the factor that also undoes the weights' E4M3 form (v * 2^-6); NaN for 255."""
+  s = scale.astype(jnp.int32)
+  return lax.bitcast_convert_type(jnp.where(s == 255, 0x7FC00000, (s + 6) << 23), jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# MXFP8 activations: the nibbles as E4M3 bytes
+# ------------------------------------------------------------------------------------------
+
+def e4m3_bytes(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """packed uint8 -> the E4M3 bytes (uint8) of its low and high nibbles' values times 2^-6: the
+  code's exponent and mantissa bits at bits 4-2, its sign at bit 7."""
+  low = ((packed << 2) & 0x1C) | ((packed << 4) & 0x80)
+  high = ((packed >> 2) & 0x1C) | (packed & 0x80)
+  return low, high
+
+
+# A register of 4 packed bytes ($1) -> the E4M3 bytes of one nibble of each ($0), four weights
+# an instruction (the and / or pairs become LOP3s in ptxas).
+_PTX_E4M3 = {
+    False: "shl.b32 a, $1, 2;\nshl.b32 b, $1, 4;\nand.b32 a, a, 0x1C1C1C1C;\n"
+           "and.b32 b, b, 0x80808080;\n",
+    True: "shr.b32 a, $1, 2;\nand.b32 a, a, 0x1C1C1C1C;\nand.b32 b, $1, 0x80808080;\n",
+}
+
+
+def fp8_weights(packed: jax.Array, dequant: str, interpret: bool) -> jax.Array:
+  """packed [bn, 16] uint8 (a block of 32 weights a row) -> W's block [bn, 32] as float8_e4m3fn,
+  each weight times 2^-6 (exact), the low nibbles (W's even columns) then the high ones."""
+  bn = packed.shape[0]
+  if dequant == "ptx" and not interpret:
+    low, high = (plgpu_triton.elementwise_inline_asm(
+        "{\n.reg .b32 a, b;\n" + _PTX_E4M3[h] + "or.b32 $0, a, b;\n}", args=[packed],
+        constraints="=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int8)])[0]
+                 for h in (False, True))
+  else:
+    low, high = e4m3_bytes(packed)
+  w = jnp.stack([low, high], axis=-1).transpose(0, 2, 1).reshape(bn, BLOCK)
+  return lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
+
+
+def _columns(tile: jax.Array) -> list[jax.Array]:
+  """tile [p, nb] -> its nb columns, each [p] (split in registers: `lax.split` lowers to
+  reshapes and Triton's split)."""
+  return [c.reshape(tile.shape[0]) for c in jnp.split(tile, tile.shape[1], axis=1)]
+
+
 # ------------------------------------------------------------------------------------------
 # The kernel
 # ------------------------------------------------------------------------------------------
@@ -361,10 +470,33 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, interpret: bool):
+# fp8 a [p, 32] @ b [q, 32]^T -> [p, q] fp32 whose Triton dot lets the MMA accumulate its K = 32
+# (`maxNumImpreciseAcc`). jax 0.11.2's lowering of `dot_general` leaves that 0, and Triton then
+# refuses Hopper's wgmma for an fp8 dot into fp32 and falls back to mma.sync, which on sm_90
+# upcasts both operands to fp16 (a conversion per element). Elsewhere (the interpreter) a plain
+# dot_general.
+_fp8_dot_p = jax_core.Primitive("mxfp4_fp8_dot")
+_fp8_dot_p.def_impl(lambda a, b: _dot_t(a, b))
+_fp8_dot_p.def_abstract_eval(
+    lambda a, b: jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32))
+mlir.register_lowering(_fp8_dot_p, mlir.lower_fun(_dot_t, multiple_results=False))
+
+
+@triton_lowering.register_lowering(_fp8_dot_p)
+def _fp8_dot_lowering(ctx, a, b):
+  [out] = ctx.avals_out
+  acc = triton_lowering._zeros(  # pylint: disable=protected-access
+      ir.RankedTensorType.get(out.shape, ir.F32Type.get()))
+  return tt_dialect.dot(a, tt_dialect.trans(b, (1, 0)), acc, max_num_imprecise_acc=BLOCK)
+
+
+def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config,
+          interpret: bool):
   """out[first:end, n0:n0 + bn] = x[first:end] @ W_group[n0:n0 + bn]^T, in row blocks of
   block_m (end - first rows, any number >= 0); with split_k > 1, this program's share of K
-  (grid dim 2) added into out atomically."""
+  (grid dim 2) added into out atomically. act "mxfp8": x_ref holds x's E4M3 bytes (each block's
+  columns in `fp8_weights`'s order) and xs_ref their factors [M, K/32] fp32 (`x_factor`), else
+  None."""
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   nb = bk // BLOCK
   steps = x_ref.shape[1] // bk // cfg.split_k
@@ -389,6 +521,22 @@ def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, inte
         return acc + _dot_t(w_even, x_even) + _dot_t(w_odd, x_odd)
       return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
 
+    def fp8_step(kk, acc):
+      k0 = pl.multiple_of(kk * bk, bk)
+      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
+      fw = _columns(e8m0_f32(s_ref[group, pl.ds(n0, bn), blocks]))
+      fx = _columns(plgpu_triton.load(xs_ref.at[pl.ds(r0, bm), blocks], mask=valid, other=0))
+      for b in range(nb):
+        w = fp8_weights(p_ref[group, pl.ds(n0, bn), kk * nb + b, :], cfg.dequant, interpret)
+        x = lax.bitcast_convert_type(
+            plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0 + b * BLOCK, BLOCK)],
+                              mask=valid, other=0), jnp.float8_e4m3fn)
+        if cfg.swap:      # x's factor first: the product of x and the unscaled E2M1 values
+          acc += _fp8_dot_p.bind(w, x) * fx[b][None, :] * fw[b][:, None]
+        else:
+          acc += _fp8_dot_p.bind(x, w) * fx[b][:, None] * fw[b][None, :]
+      return acc
+
     def fma_step(kk, acc):
       p, s, x = load(kk)
       x_even, x_odd = lax.unstack(x.astype(jnp.float32).reshape(bm, 1, nb, HALF, 2), axis=4)
@@ -401,7 +549,8 @@ def _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config, inte
                           jnp.zeros((bm, bn, nb), jnp.float32)).sum(axis=2)
     else:
       shape = (bn, bm) if cfg.swap else (bm, bn)
-      acc = lax.fori_loop(k_first, k_first + steps, step, jnp.zeros(shape, jnp.float32))
+      acc = lax.fori_loop(k_first, k_first + steps, fp8_step if cfg.act == "mxfp8" else step,
+                          jnp.zeros(shape, jnp.float32))
       if cfg.swap:
         acc = acc.T
     tile = (pl.ds(r0, bm), pl.ds(n0, bn))
@@ -431,15 +580,21 @@ def _zero_rows(first, end, out_ref, n0, cfg: Config):
   lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
 
 
+def _x_factors(refs, cfg: Config):
+  """x's factor ref from a kernel's trailing refs (first with act "mxfp8"), else None."""
+  return refs[0] if cfg.act == "mxfp8" else None
+
+
 def _dense_kernel(x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: bool):
   """Program (j, i[, s]): columns [j bn, + bn) of rows [i bm, + bm) (of K's s-th share). refs:
-  out, or (the zeroed fp32 output aliased to out, out) with split_k > 1."""
+  x's factors with act "mxfp8", then out, or (the zeroed fp32 output aliased to out, out) with
+  split_k > 1."""
   out_ref = refs[-1]
   m = x_ref.shape[0]
   n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
   first = pl.program_id(1) * cfg.block_m
-  _rows(first, jnp.minimum(first + cfg.block_m, m), x_ref, p_ref, s_ref, out_ref, 0, n0, cfg,
-        interpret)
+  _rows(first, jnp.minimum(first + cfg.block_m, m), x_ref, _x_factors(refs, cfg), p_ref, s_ref,
+        out_ref, 0, n0, cfg, interpret)
 
 
 def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: bool):
@@ -461,14 +616,15 @@ def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: 
   group = jnp.sum(jnp.where(mine, idx, 0))
   first = jnp.sum(jnp.where(mine, starts, 0))
   end = jnp.sum(jnp.where(mine, ends, 0))           # 0 (no rows) when there is no t-th group
+  xs_ref = _x_factors(refs, cfg)
   if cfg.split_k > 1:
-    _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
+    _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
     return
   last = pl.num_programs(1) - 1
 
   @pl.when(t < last)
   def _():
-    _rows(first, end, x_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
+    _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
 
   @pl.when(t == last)
   def _():
@@ -485,7 +641,12 @@ def _call(x, w_packed, w_scale, group_sizes, *, cfg: Config, out_dtype, interpre
   params = plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   split = cfg.split_k > 1
   out_shape = jax.ShapeDtypeStruct((m, n), jnp.float32 if split else out_dtype)
-  operands = (x, packed, w_scale)
+  if cfg.act == "mxfp8":       # XLA ops: x's E4M3 bytes and factors, after the weights
+    x8, xs = (lax.bitcast_convert_type(a, jnp.uint8) for a in mx.quantize(x, "mxfp8", axis=-1))
+    x8 = x8.reshape(m, k // BLOCK, HALF, 2).swapaxes(2, 3).reshape(m, k)   # [even | odd]
+    operands = (x8, packed, w_scale, x_factor(xs))
+  else:
+    operands = (x, packed, w_scale)
   if group_sizes is None:
     kernel, name, rows = _dense_kernel, "mxfp4_matmul_triton", pl.cdiv(m, cfg.block_m)
   else:

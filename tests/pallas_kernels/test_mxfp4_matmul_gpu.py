@@ -9,8 +9,9 @@ and grouped over 8 experts (uneven sizes, an empty expert, rows past the groups)
 against the reference (`k3jax.mx.unpack_k3` + XLA, bf16 operands, fp32 sums) and bf16 output.
 The plan must pick mosaic_gpu when asked, so a silent fall-through fails. The Triton tier
 (`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization
-(split-K too), large scales, overflow and NaN, the K3 shapes at M = 1 and 16 dense and over 8
-experts at M = 16 and 64, and every benchmark candidate config.
+(split-K too; with MXFP8 x on the fp8 MMA too), large scales, overflow and NaN, the K3 shapes at
+M = 1 and 16 dense and over 8 experts at M = 16 and 64, and every benchmark candidate config
+(those with MXFP8 x against the reference's fp32 product of MXFP8-rounded x).
 """
 import dataclasses
 
@@ -35,6 +36,8 @@ pytestmark = pytest.mark.skipif(not mosaic_gpu.is_hopper(), reason="needs an NVI
 
 BF16_TOL = 1e-2     # relative L2 of bf16 outputs (fp32 accumulation): ~3e-3 expected
 F32_TOL = 1e-5      # fp32 outputs of the same bf16 products: summation order only
+F8_TOL = 1e-4       # MXFP8 x on the fp8 MMA against its fp32 oracle: Hopper's fp8 wgmma may
+                    # add a block's 32 products in less than fp32 (structural errors are >= 1e-2)
 K3_SHAPES = ((3584, 3072), (3072, 3584))
 SIZES = {1: (0, 0, 1, 0, 0, 0, 0, 0), 16: (3, 0, 5, 1, 2, 0, 4, 1),
          64: (10, 0, 7, 13, 1, 9, 20, 2), 4096: (700, 0, 513, 1000, 9, 1100, 400, 370)}
@@ -206,7 +209,8 @@ def edge_scales(n: int, k: int) -> np.ndarray:
 
 
 VARIANTS = {"mma": {}, "split_k": dict(split_k=4),
-            "fma": dict(fma=True, block_m=2, block_n=4, num_warps=2)}
+            "fma": dict(fma=True, block_m=2, block_n=4, num_warps=2),
+            "mxfp8": dict(act="mxfp8"), "mxfp8_wgmma": dict(act="mxfp8", block_n=64, swap=True)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -214,9 +218,10 @@ VARIANTS = {"mma": {}, "split_k": dict(split_k=4),
 def test_triton_reads_every_code_and_scale_exactly(dequant, variant):
   """x = I [K, K]: out = W^T exactly for every code in both nibbles and the scale edges (values
   below 2^-126 too: the GPU keeps subnormals), with each dequantization, on the MMA and on the
-  CUDA cores (fma: the scale applied to each block's sum). With split-K (4 programs' fp32
-  atomic adds, one of them nonzero per output) exactly too, but for the values below 2^-126:
-  the GPU's fp32 atomic add flushes subnormals to zero."""
+  CUDA cores (fma: the scale applied to each block's sum), and with x in MXFP8 on the fp8 MMA
+  (x = I is exact in E4M3; 2^(s - 127) applied after the MMA, 2^-127 kept). With split-K (4
+  programs' fp32 atomic adds, one of them nonzero per output) exactly too, but for the values
+  below 2^-126: the GPU's fp32 atomic add flushes subnormals to zero."""
   n, k = 64, 512
   packed, _ = every_code(n, k, seed=5)
   scale = edge_scales(n, k)
@@ -255,6 +260,34 @@ def test_triton_large_scales_overflow_and_nan(dequant):
   assert np.isnan(out[:, 2]).all() and np.isfinite(out[:, 3:]).all()
 
 
+@pytest.mark.parametrize("variant", [dict(dequant="exp"),
+                                     dict(dequant="ptx", block_n=64, swap=True)])
+def test_triton_mxfp8_overflow_and_nan(variant):
+  """MXFP8 x (on mma.sync, and swapped on wgmma): a weight past fp32's range (6 * 2^127,
+  -6 * 2^126) is never formed, its column is x's E4M3 value times it rounded once (inf only
+  where that overflows); a NaN scale byte gives a NaN column, an inf in x a NaN row."""
+  n, k = 64, 512
+  rng = np.random.default_rng(8)
+  packed = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+  scale = rng.integers(100, 151, (n, k // 32)).astype(np.uint8)
+  packed[:3], scale[:3] = 0, 127
+  packed[0, 5], scale[0, 0] = 0x07, 254
+  packed[1, 9], scale[1, 0] = 0xF0, 253
+  scale[2, 4] = 255
+  x = jax.random.normal(jax.random.key(4), (16, k), jnp.float32).astype(jnp.bfloat16)
+  x = x.at[15, 300].set(jnp.inf)
+  out = np.asarray(triton.matmul(x, jnp.asarray(packed), jnp.asarray(scale),
+                                 preferred_element_type=jnp.float32,
+                                 config=triton.Config(act="mxfp8", **variant)))
+  x8 = np.asarray(mx.dequantize(*mx.quantize(x, "mxfp8")), np.float64)
+  with np.errstate(over="ignore"):
+    want = np.stack([x8[:15, 10] * 6 * 2.0 ** 127, x8[:15, 19] * -6 * 2.0 ** 126], axis=1)
+    want = want.astype(np.float32)
+  assert np.isinf(want).any() and np.isfinite(want).any()
+  np.testing.assert_array_equal(out[:15, :2], want)
+  assert np.isnan(out[:, 2]).all() and np.isnan(out[15]).all() and np.isfinite(out[:15, 3:]).all()
+
+
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [1, 16])
 def test_triton_matmul_k3_shapes(m, k, n):
@@ -270,16 +303,19 @@ def test_triton_ragged_dot_k3_shapes_eight_experts(m, k, n):
 @pytest.mark.parametrize("name", list(triton.CONFIGS))
 def test_triton_every_candidate_config(name):
   """Each benchmark candidate (`triton.CONFIGS`, block_k fitted to K) at (K, N) = (3584, 3072),
-  16 rows dense and grouped over 8 experts (an empty expert, rows past the groups)."""
+  16 rows dense and grouped over 8 experts (an empty expert, rows past the groups); a config
+  with MXFP8 x against the reference's fp32 product of MXFP8-rounded x."""
   k, n, m = 3584, 3072, 16
   cfg = triton.fit(triton.CONFIGS[name], k)
   x, packed, scale = make(m + 5, k, n, 8, seed=len(name))
-  ref = reference.matmul(x[:m], packed[0], scale[0], preferred_element_type=jnp.float32)
+  fp8 = cfg.act == "mxfp8"
+  ref_x = mx.dequantize(*mx.quantize(x, "mxfp8")) if fp8 else x
+  ref = reference.matmul(ref_x[:m], packed[0], scale[0], preferred_element_type=jnp.float32)
   out = jax.jit(lambda a, p, s: triton.matmul(a, p, s, preferred_element_type=jnp.float32,
                                               config=cfg))(x[:m], packed[0], scale[0])
-  assert rel_err(out, ref) < F32_TOL, cfg
+  assert rel_err(out, ref) < (F8_TOL if fp8 else F32_TOL), (cfg, rel_err(out, ref))
   gs = jnp.asarray(SIZES[m], jnp.int32)
-  ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
+  ref = reference.ragged_dot(ref_x, packed, scale, gs, preferred_element_type=jnp.float32)
   out = jax.jit(lambda a, p, s, g: triton.ragged_dot(a, p, s, g, config=cfg))(
       x, packed, scale, gs)
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg

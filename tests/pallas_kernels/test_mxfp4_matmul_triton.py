@@ -7,8 +7,13 @@ The interpreter runs the kernel's loads, masks, even / odd split of x, dots and 
 "exp" dequantization ("shift" needs the GPU's subnormal bf16 multiply; XLA:CPU flushes
 subnormals, there and in the reference alike, so values below 2^-126 are zero on both sides
 here; the GPU tests check them). fp32 outputs are compared at 1e-5 relative L2 (bf16 products
-summed in fp32: the order only), bf16 outputs at 1e-2 (their rounding, ~3e-3).
+summed in fp32: the order only), bf16 outputs at 1e-2 (their rounding, ~3e-3). MXFP8 activations
+(`Config.act="mxfp8"`) against their own oracle: x through `mx.quantize(x, "mxfp8")` and
+`mx.dequantize` in fp32 times the reference's weight in fp32, at 1e-6 (summation order only).
 """
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -36,6 +41,12 @@ F32_TOL = 1e-5
 # Scale bytes whose weights are all finite: 2^-127 (products below 2^-126: flushed on CPU),
 # 2^-126, ..., the clamp bounds of "exp" (2, 252) and their neighbours, 1 and 2.
 FINITE_EDGES = np.array([0, 1, 2, 3, 64, 126, 127, 128, 200, 251, 252], np.uint8)
+F8_TOL = 1e-6
+FP8 = dict(act="mxfp8")
+# E2M1 code -> the E4M3 byte of its value times 2^-6, written out: 0, 2^-7 (subnormal 4/8 of
+# 2^-6), 2^-6, 1.5 2^-6, 2^-5, 1.5 2^-5, 2^-4, 1.5 2^-4, then the same with the sign bit.
+E4M3_OF_CODE = np.array([0x00, 0x04, 0x08, 0x0C, 0x10, 0x14, 0x18, 0x1C,
+                         0x80, 0x84, 0x88, 0x8C, 0x90, 0x94, 0x98, 0x9C], np.uint8)
 
 
 def weights(seed: int, *shape: int):
@@ -44,6 +55,19 @@ def weights(seed: int, *shape: int):
 
 def activations(seed: int, m: int, k: int) -> jax.Array:
   return jax.random.normal(jax.random.key(seed), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def mxfp8_x(x: jax.Array) -> jax.Array:
+  """x rounded to MXFP8 along K (the library's quantizer), dequantized to fp32."""
+  return mx.dequantize(*mx.quantize(x, "mxfp8", axis=-1))
+
+
+def mxfp8_oracle(x, packed, scale, gs=None) -> jax.Array:
+  """fp32 product of MXFP8-rounded x and the dequantized weight (the reference tier with fp32
+  operands at HIGHEST precision), dense or grouped."""
+  if gs is None:
+    return reference.matmul(mxfp8_x(x), packed, scale, preferred_element_type=jnp.float32)
+  return reference.ragged_dot(mxfp8_x(x), packed, scale, gs, preferred_element_type=jnp.float32)
 
 
 def flushed(w: np.ndarray) -> np.ndarray:
@@ -219,6 +243,159 @@ def test_fma_products():
   np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
 
 
+# ------------------------------------------------------------------------------------------
+# MXFP8 activations (`Config.act="mxfp8"`): fp8 MMAs per block of 32
+# ------------------------------------------------------------------------------------------
+
+def spread(seed: int, rows: int, k: int, span: int) -> np.ndarray:
+  """[rows, k] powers of two 2^e, e uniform in [-span, span], constant over each block of 32
+  along K: scales that differ by row and by block."""
+  e = np.random.default_rng(seed).integers(-span, span + 1, (rows, k // 32))
+  return np.repeat(2.0 ** e, 32, axis=1).astype(np.float32)
+
+
+def test_e4m3_bytes_of_every_code_and_x_factor():
+  """Both nibbles of all 256 bytes against the E4M3 table written out above, bit for bit; the
+  table's E4M3 values are the nibble table's times 2^-6 (ml_dtypes); `fp8_weights` gives a block
+  as [low nibbles | high ones] = [W's even columns | odd ones]. x's factor 2^(s - 121) for every
+  scale byte a bf16 x can get (at most 246, bf16's largest block) and NaN for 255."""
+  b = np.arange(256, dtype=np.uint8)
+  low, high = jax.jit(triton.e4m3_bytes)(jnp.asarray(b))
+  np.testing.assert_array_equal(np.asarray(low), E4M3_OF_CODE[b & 15])
+  np.testing.assert_array_equal(np.asarray(high), E4M3_OF_CODE[b >> 4])
+  np.testing.assert_array_equal(E4M3_OF_CODE.view(ml_dtypes.float8_e4m3fn).astype(np.float64),
+                                NIBBLE * 2.0 ** -6)
+  packed = b.reshape(16, 16)
+  w = triton.fp8_weights(jnp.asarray(packed), "ptx", interpret=True)
+  assert w.dtype == jnp.float8_e4m3fn and w.shape == (16, 32)
+  want = dequantize(packed, np.full((16, 1), 127 - 6, np.uint8))
+  np.testing.assert_array_equal(np.asarray(w, np.float64),
+                                np.concatenate([want[:, 0::2], want[:, 1::2]], axis=1))
+  f = np.asarray(triton.x_factor(jnp.asarray(b)))
+  np.testing.assert_array_equal(f[:247], 2.0 ** (np.arange(247) - 121.0))
+  assert np.isnan(f[255])
+  big = jnp.full((1, 32), jnp.finfo(jnp.bfloat16).max, jnp.bfloat16)
+  assert int(jax.lax.bitcast_convert_type(mx.quantize(big, "mxfp8")[1], jnp.uint8)[0, 0]) == 246
+
+
+def test_mxfp8_large_scales_overflow_and_nan():
+  """Scales 253 / 254 with |value| <= 1.5: exact (x = I). A weight past fp32's range (6 * 2^127,
+  -6 * 2^126) is never formed: its column is x's E4M3 value times it rounded once in fp32, inf
+  only where that overflows (the reference, which forms the weight, gives inf throughout). A NaN
+  scale byte gives a NaN column, an inf in x (its block's scale byte 255) a NaN row; the other
+  entries match the MXFP8 oracle."""
+  n, k = 64, 512
+  rng = np.random.default_rng(4)
+  packed = rng.integers(0, 256, (n, k // 2)).astype(np.uint8) & 0xBB    # codes 0-3, 8-11
+  scale = np.where(rng.random((n, k // 32)) < 0.5, 253, 254).astype(np.uint8)
+  run = lambda x: np.asarray(triton.matmul(x, jnp.asarray(packed), jnp.asarray(scale),
+                                           preferred_element_type=jnp.float32, interpret=True,
+                                           config=triton.Config(**FP8)))
+  np.testing.assert_array_equal(run(jnp.eye(k, dtype=jnp.bfloat16)),
+                                dequantize(packed, scale).T.astype(np.float32))
+  packed[:3], scale[3:] = 0, rng.integers(100, 151, (n - 3, k // 32))
+  packed[0, 5], scale[0, 0] = 0x07, 254      # element 10: 6 * 2^127
+  packed[1, 9], scale[1, 0] = 0xF0, 253      # element 19: -6 * 2^126
+  scale[2, 4] = 255                          # NaN
+  x = activations(3, 5, k).at[4, 300].set(jnp.inf)
+  out = run(x)
+  x8 = np.asarray(mxfp8_x(x), np.float64)
+  with np.errstate(over="ignore"):
+    want = np.stack([x8[:4, 10] * 6 * 2.0 ** 127, x8[:4, 19] * -6 * 2.0 ** 126], axis=1)
+    want = want.astype(np.float32)
+  assert np.isinf(want).any() and np.isfinite(want).any()
+  np.testing.assert_array_equal(out[:4, :2], want)
+  assert np.isnan(out[:, 2]).all() and np.isnan(out[4]).all() and np.isfinite(out[:4, 3:]).all()
+  ref = np.asarray(mxfp8_oracle(x, jnp.asarray(packed), jnp.asarray(scale)))
+  assert rel_err(out[:4, 3:], ref[:4, 3:]) < F8_TOL
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_mxfp8_every_code_and_scale_edge_exactly(swap):
+  """x = I [K, K] (E4M3-exact: each row's block holds one 1): out = W^T exactly for every code
+  in both nibbles under the scale edges 0 ... 252, flushed below 2^-126 as the reference is on
+  CPU and zero under scale byte 0 (its factor 2^-127 is a subnormal, which XLA:CPU flushes; the
+  GPU tests keep it). Then x = diag(2^e), e in [-40, 40] by row (x's scale bytes 79 ... 159):
+  out = 2^e W^T exactly, so a wrong 2^6, a scale on the wrong axis or a block out of K order
+  shows."""
+  n, k = 64, 512
+  packed, random_scale = every_code(n, k, seed=12)
+  scale = FINITE_EDGES[(np.arange(n)[:, None] + np.arange(k // 32)[None, :]) % len(FINITE_EDGES)]
+  cfg = triton.Config(block_n=32, block_k=128, swap=swap, act="mxfp8")
+  run = lambda x, s: np.asarray(triton.matmul(x, jnp.asarray(packed), jnp.asarray(s),
+                                              preferred_element_type=jnp.float32,
+                                              interpret=True, config=cfg))
+  want = np.where(np.repeat(scale == 0, 32, axis=1), 0, flushed(dequantize(packed, scale))).T
+  np.testing.assert_array_equal(run(jnp.eye(k, dtype=jnp.bfloat16), scale), want)
+  e = (np.arange(k) * 7) % 81 - 40
+  x = jnp.asarray(np.diag(2.0 ** e), jnp.bfloat16)
+  want = (2.0 ** e[:, None] * dequantize(packed, random_scale).T).astype(np.float32)
+  np.testing.assert_array_equal(run(x, random_scale), want)
+
+
+@pytest.mark.parametrize("m, cfg", [
+    (1, triton.Config(block_n=32, **FP8)),
+    (5, triton.Config(block_n=32, block_k=128, swap=True, **FP8)),
+    (16, triton.Config(block_k=256, dequant="exp", **FP8)),
+    (37, triton.Config(block_n=64, block_k=64, split_k=4, **FP8)),
+])
+def test_mxfp8_matmul_against_oracle(m, cfg):
+  """Dense, x and W scaled by 2^-12 ... 2^12 per row and block of 32 (x's and W's scale bytes
+  differ along both axes): fp32 output at 1e-6 of the MXFP8 oracle and bf16 at 1e-2. One row,
+  5 (swapped), a full block of 16, 37 in 3 row blocks with split-K; the bf16 reference (x
+  exact) is ~3e-2 away: x is rounded to E4M3."""
+  k, n = 512, 128
+  x = (activations(m, m, k).astype(jnp.float32) * spread(m, m, k, 12)).astype(jnp.bfloat16)
+  packed, scale = mx.pack_k3(jnp.asarray(spread(m + 1, n, k, 12))
+                             * 0.02 * jax.random.normal(jax.random.key(m), (n, k)))
+  want = mxfp8_oracle(x, packed, scale)
+  out = triton.matmul(x, packed, scale, preferred_element_type=jnp.float32, interpret=True,
+                      config=cfg)
+  assert out.shape == (m, n) and rel_err(out, want) < F8_TOL, cfg
+  exact = reference.matmul(x, packed, scale, preferred_element_type=jnp.float32)
+  assert 1e-2 < rel_err(out, exact) < 6e-2
+  out = triton.matmul(x, packed, scale, interpret=True, config=cfg)
+  assert out.dtype == jnp.bfloat16 and rel_err(out, want) < BF16_TOL
+
+
+RAGGED_FP8_CASES = {
+    "uneven": (38, (3, 0, 20, 1, 9), triton.Config(block_n=32, **FP8)),
+    "sparse_swap": (5, (0, 1, 0, 2, 0, 0, 1, 0),
+                    triton.Config(block_n=32, block_k=128, swap=True, **FP8)),
+    "split": (38, (3, 0, 20, 1, 9), triton.Config(block_k=64, split_k=4, **FP8)),
+}
+
+
+@pytest.mark.parametrize("case", RAGGED_FP8_CASES)
+def test_mxfp8_ragged_dot_against_oracle(case):
+  """Grouped against the MXFP8 oracle (`reference.ragged_dot` of MXFP8-rounded x in fp32): an
+  empty expert, a 20-row one (2 row blocks), more experts than rows, swapped, split-K; rows
+  past the groups zero."""
+  m, sizes, cfg = RAGGED_FP8_CASES[case]
+  k, n = 512, 64
+  x = (activations(m, m, k).astype(jnp.float32) * spread(m, m, k, 8)).astype(jnp.bfloat16)
+  packed, scale = weights(len(sizes), len(sizes), n, k)
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = triton.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32,
+                          interpret=True, config=cfg)
+  assert out.shape == (m, n) and rel_err(out, mxfp8_oracle(x, packed, scale, gs)) < F8_TOL
+  np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+
+
+def test_mxfp8_needs_fp8_mma():
+  """An A100 (compute capability 8.0) takes the bf16 mode and declines "mxfp8" with the reason
+  (shapes only, lowering ahead of time for an abstract device)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108,
+                                       platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  s = jax.ShapeDtypeStruct
+  x, packed, scale = s((16, 512), jnp.bfloat16), s((64, 256), jnp.uint8), s((64, 16), jnp.uint8)
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert triton.supports_matmul(x, packed, scale, config=triton.Config()) is None
+    reason = triton.supports_matmul(x, packed, scale, config=triton.Config(**FP8))
+  assert "needs fp8 MMA (compute capability >= 8.9)" in reason, reason
+
+
 def test_plan_routes_and_declines_with_reasons():
   x = activations(0, 16, 512)
   packed, scale = weights(0, 128, 512)
@@ -282,7 +459,10 @@ def test_bad_configs_are_refused():
                       (triton.Config(num_warps=3), "num_warps"),
                       (triton.Config(block_k=128, split_k=3), "split_k=3 must divide"),
                       (triton.Config(block_n=4), "block_n=4 must be a power of two >= 16"),
-                      (triton.Config(block_n=4, fma=True, swap=True), "fma has no MMA")):
+                      (triton.Config(block_n=4, fma=True, swap=True), "fma has no MMA"),
+                      (triton.Config(act="fp8"), "act must be one of"),
+                      (triton.Config(block_n=4, block_m=1, fma=True, **FP8),
+                       "act='mxfp8' feeds fp8 MMAs; fma has no MMA")):
     got = triton.supports_matmul(x, packed, scale, interpret=True, config=cfg)
     assert got is not None and reason in got, (cfg, got)
   assert triton.fit(triton.Config(block_k=1024), 3584).block_k == 512
@@ -296,14 +476,29 @@ def test_bad_configs_are_refused():
   assert triton.default_config(1, 96, 64, False).block_k == 0        # no block_k divides 96
 
 
+@pytest.mark.parametrize("act", triton.ACTS)
 @pytest.mark.parametrize("m, k, n, g", [(1, 3584, 3072, 1), (16, 3072, 3584, 8),
                                         (16, 3584, 3072, 896)])
-def test_lowers_to_triton_for_h200(m, k, n, g):
-  """Every candidate config (block_k fitted to K) lowers to Triton IR for an H200 at the K3
-  shapes, dense and grouped (896 experts: group_sizes loaded whole, 17 slots per column block);
-  the default config is taken there (a refused call raises: `triton.matmul` checks
+def test_lowers_to_triton_for_h200(m, k, n, g, act):
+  """Every candidate config of the mode (block_k fitted to K) lowers to Triton IR for an H200 at
+  the K3 shapes, dense and grouped (896 experts: group_sizes loaded whole, 17 slots per column
+  block); the default config is taken there (a refused call raises: `triton.matmul` checks
   `supports_*` first). The lowering is `benchmarks.triton_sass.lower`'s, which its SASS
-  counts start from."""
-  for cfg in [None, *(triton.fit(c, k) for c in triton.CONFIGS.values())]:
-    text = triton_sass.lower(cfg, m, k, n, g).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1, cfg
+  counts start from. "mxfp8" (the default's tiles with that mode, the candidates, "exp"
+  conversion, swapped): the Triton module parses and verifies (Pallas does not verify it) and
+  multiplies E4M3 by E4M3 into fp32 with K = 32, the MMA accumulating its K (Triton's
+  maxNumImpreciseAcc, without which Hopper gets no fp8 wgmma)."""
+  configs = [c for c in triton.CONFIGS.values() if c.act == act]
+  if act == "bf16":
+    configs = [None, *configs]
+  else:
+    default = triton.default_config(m, k, n, g > 1)
+    configs += [dataclasses.replace(default, act=act), dataclasses.replace(default, act=act,
+                                                                             dequant="exp")]
+  for cfg in [c if c is None else triton.fit(c, k) for c in configs]:
+    lowered = triton_sass.lower(cfg, m, k, n, g)
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, cfg
+    if act == "mxfp8":
+      [(_, _, module)] = triton_sass.triton_modules(lowered)
+      assert re.search(r"tt\.dot .*\{maxNumImpreciseAcc = 32 : i32\} : tensor<\d+x32xf8E4M3FN> "
+                       r"\* tensor<32x\d+xf8E4M3FN> -> tensor<\d+x\d+xf32>", module), cfg
