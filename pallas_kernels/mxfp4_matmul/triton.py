@@ -177,10 +177,11 @@ CONFIGS = {
     # The fastest tier at one row (9.8-10.4 us, H200, 2026-12-03), ~10x slower at 16 rows (each
     # row its own pass over the weight tile); block_n 8 and 16 were 1.5-1.7x slower at one row.
     "fma_n4_w2": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True),
-    # MXFP8 x on the fp8 MMA (`act`), unmeasured. Swapped with 64 or 128 weight rows, wgmma's
-    # M on Hopper (sm_90a SASS per K step of 64 x 256 weights: 568 instructions against n32_ptx's
-    # 811 for the same count); split-K; n32_ptx's tile unswapped, whose 16-row dots Triton runs
-    # on mma.sync with both operands upcast to fp16 on Hopper (native fp8 from sm_89's mma.sync).
+    # MXFP8 x on the fp8 MMA (`act`): slower than n32_ptx dense and the grouped default (H100,
+    # 2026-12-06), a candidate only. Swapped with 64 or 128 weight rows, wgmma's M on Hopper
+    # (sm_90a SASS per K step of 64 x 256 weights: 568 instructions against n32_ptx's 811 for
+    # the same count); split-K; n32_ptx's tile unswapped, whose 16-row dots Triton runs on
+    # mma.sync with both operands upcast to fp16 on Hopper (native fp8 from sm_89's mma.sync).
     "swap64_fp8": Config(block_n=64, block_k=256, dequant="ptx", swap=True, act="mxfp8"),
     "swap128_fp8": Config(block_n=128, block_k=256, dequant="ptx", swap=True, act="mxfp8"),
     "swap64_fp8_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", swap=True,
