@@ -4,6 +4,8 @@ Rows, device time per call from a profiler trace (`common.device_ms`):
 - "orthogonalize": `k3jax.muon.orthogonalize` of every Muon leaf of the model (random fp32
   momenta shaped like the parameters), blocks of equal shape batched across leaves, as the
   train step runs it (`train.muon_ns_dtype`, bf16 by default);
+- "orthogonalize_per_leaf": the same with `stack=False` (each leaf's blocks iterated alone, no
+  copy of the leaves into their group);
 - "ns_<b>x<m>x<n>": `k3jax.muon.newton_schulz` alone on one group of b stacked blocks, already
   [b, m, n] in fp32 (the group's matmuls and its elementwise passes, no stacking);
 - "ns_folded_<b>x<m>x<n>": the same with `fold=True` (each step's scalars in its products'
@@ -86,6 +88,9 @@ def main(argv):
     print(f"{name:28s} {ms:9.3f} ms  {flops / 1e12:7.3f} TFLOP  {tflops:7.1f} TFLOP/s", flush=True)
 
   record("orthogonalize", timer(whole, tree), total_flops)
+  per_leaf = jax.jit(lambda t: muon.orthogonalize(t, treatments, coeffs=COEFFS, steps=STEPS,
+                                                  dtype=dtype, stack=False))
+  record("orthogonalize_per_leaf", timer(per_leaf, tree), total_flops)
   for (treatment, m, n), b in sorted(groups.items(), key=lambda kv: -ns_flops(kv[1], *kv[0][1:])):
     if ns_flops(b, m, n) < 0.01 * total_flops:
       continue

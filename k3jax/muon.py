@@ -330,7 +330,7 @@ def _newton_schulz_folded(y: jax.Array, coeffs: tuple[float, float, float], step
 
 def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, float],
                   steps: int, eps: float = 1e-8, dtype: Any = jnp.float32,
-                  fold: bool = False) -> Any:
+                  fold: bool = False, stack: bool = True) -> Any:
   """NS5 of every Muon leaf of `tree` per its block axes ([TR] §2.5), blocks grouped.
 
   Leaves are reshaped to [b, A, B] blocks (transposed to A <= B), and the leaves of one
@@ -340,7 +340,8 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
   `expert`, heads over their axis) together, and stacking on a new axis (not concatenating on
   the head or expert axis) keeps each device's heads or experts on it: no collective. `treatments`
   is a pytree like `tree` of `Treatment`; leaves with `dims=None` pass through. `fold`: as
-  `newton_schulz`'s.
+  `newton_schulz`'s. `stack=False` iterates each leaf's blocks alone (no copy of the leaves into
+  a group; `benchmarks/muon_ns.py` times both).
   """
   leaves, treedef = jax.tree.flatten(tree)
   ts = treedef.flatten_up_to(treatments)
@@ -354,10 +355,11 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
     if flip:
       blocks = blocks.transpose(0, 2, 1)
     layouts[i] = (perm, blocks)
-    groups.setdefault((t.treatment,) + blocks.shape, []).append(i)
+    groups.setdefault((t.treatment,) + blocks.shape + (() if stack else (i,)), []).append(i)
   out = list(leaves)
   for members in groups.values():
-    done = _spread_newton_schulz(jnp.stack([layouts[i][1] for i in members]),
+    blocks = [layouts[i][1] for i in members]
+    done = _spread_newton_schulz(jnp.stack(blocks) if len(blocks) > 1 else blocks[0][None],
                                  lambda x: newton_schulz(x, coeffs, steps, eps, dtype, fold))
     for i, part in zip(members, done):
       perm, _ = layouts[i]

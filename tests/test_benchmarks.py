@@ -378,6 +378,8 @@ def test_muon_ns_benchmark_times_orthogonalize_and_its_groups(tmp_path):
   recs = {r["implementation"]: r for r in records(out)}
   whole = recs.pop("orthogonalize")
   assert recs and whole["median_ms"] > 0 and whole["ns_dtype"] == "bfloat16"
+  alone = recs.pop("orthogonalize_per_leaf")
+  assert alone["median_ms"] > 0 and alone["tflop"] == whole["tflop"]
   for name, r in recs.items():
     b, m, n = (int(v) for v in name.removeprefix("ns_").removeprefix("folded_").split("x"))
     assert (r["blocks"], r["m"], r["n"]) == (b, m, n) and m <= n

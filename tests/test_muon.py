@@ -250,6 +250,28 @@ def test_grouped_blocks_match_the_per_matrix_oracle(ns_dtype, fold, tol):
       assert err < tol, (path, err)
 
 
+def test_leaves_iterated_alone_equal_the_grouped_iteration():
+  """`orthogonalize(stack=False)` (each leaf's blocks a batch of their own) gives each block the
+  grouped iteration's result: the blocks are independent, only the batching differs."""
+  rng = np.random.default_rng(11)
+  shapes = {"layers.0.block_sparse_moe.experts.w1": (E, L, M),
+            "layers.1.block_sparse_moe.experts.w1": (E, L, M),
+            "layers.0.self_attn.q_proj.kernel": (D_MODEL, H, D)}
+  tree = {}
+  for path, shape in shapes.items():
+    tree = _merge(tree, _single(path, jnp.asarray(rng.standard_normal(shape), jnp.float32)))
+  treatments = jax.tree_util.tree_map_with_path(muon._resolver("per_head", None), tree)
+  run = lambda stack: muon.orthogonalize(tree, treatments, coeffs=(3.4445, -4.7750, 2.0315),
+                                         steps=5, stack=stack)
+  grouped, alone = run(True), run(False)
+  jaxpr = lambda stack: str(jax.make_jaxpr(lambda: run(stack))())
+  assert " stack[" in jaxpr(True) and " stack[" not in jaxpr(False)
+  for path in shapes:
+    np.testing.assert_allclose(_get(alone, path), _get(grouped, path), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(_get(grouped, "layers.0.block_sparse_moe.experts.w1"),
+                         _get(tree, "layers.0.block_sparse_moe.experts.w1"))
+
+
 def test_unknown_ns_dtype_is_named():
   with pytest.raises(ValueError, match="ns_dtype"):
     muon.per_head_muon(1.0, ns_dtype="float16")
