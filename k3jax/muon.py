@@ -358,8 +358,8 @@ def orthogonalize(tree: Any, treatments: Any, *, coeffs: tuple[float, float, flo
     groups.setdefault((t.treatment,) + blocks.shape + (() if stack else (i,)), []).append(i)
   out = list(leaves)
   for members in groups.values():
-    blocks = [layouts[i][1] for i in members]
-    done = _spread_newton_schulz(jnp.stack(blocks) if len(blocks) > 1 else blocks[0][None],
+    parts = [layouts[i][1] for i in members]
+    done = _spread_newton_schulz(jnp.stack(parts) if len(parts) > 1 else parts[0][None],
                                  lambda x: newton_schulz(x, coeffs, steps, eps, dtype, fold))
     for i, part in zip(members, done):
       perm, _ = layouts[i]

@@ -37,3 +37,25 @@ def rel_err(x, ref) -> float:
   """Relative L2 error ||x - ref|| / ||ref|| in fp64."""
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def plant_overflow_and_nan(packed: np.ndarray, scale: np.ndarray) -> None:
+  """In place: rows 0-2 all zero codes; weight (0, 10) 6 * 2^127 and (1, 19) -6 * 2^126 (past
+  fp32's range) and a NaN scale byte at (2, block 4)."""
+  packed[:3] = 0
+  packed[0, 5], scale[0, 0] = 0x07, 254
+  packed[1, 9], scale[1, 0] = 0xF0, 253
+  scale[2, 4] = 255
+
+
+def check_mxfp8_overflow_and_nan(out: np.ndarray, x8: np.ndarray, rows: int) -> None:
+  """`out` of MXFP8-rounded x8 (float64) times weights of `plant_overflow_and_nan`, x's row
+  `rows` holding an inf: columns 0 and 1 are x8's value times the large weight rounded once in
+  fp32 (inf only where that overflows), column 2 and row `rows` NaN, the rest finite."""
+  with np.errstate(over="ignore"):
+    want = np.stack([x8[:rows, 10] * 6 * 2.0 ** 127, x8[:rows, 19] * -6 * 2.0 ** 126], axis=1)
+    want = want.astype(np.float32)
+  assert np.isinf(want).any() and np.isfinite(want).any()
+  np.testing.assert_array_equal(out[:rows, :2], want)
+  assert np.isnan(out[:, 2]).all() and np.isnan(out[rows]).all()
+  assert np.isfinite(out[:rows, 3:]).all()
