@@ -85,7 +85,7 @@ class Results:
                  "shape", "B", "T", "H", "config", "tokens",
                  "kda_impl", "ragged_dot_impl", "gate_up_train", "remat",
                  "xla_triton_gemm", "xla_flags", "compile_cache", "prebuild_mosaic_gpu",
-                 "muon_ns_fold", "scan_layers")}
+                 "muon_ns_fold", "muon_ns_stack", "scan_layers")}
       newest[json.dumps(key, sort_keys=True)] = r
     return list(newest.values())
 
@@ -282,6 +282,7 @@ def train_step(root: pathlib.Path) -> str:
     built = r.get("prebuild_mosaic_gpu")
     prebuild = f"; {built} Mosaic GPU kernels prebuilt" if built else ""
     fold = "; Muon NS folded" if r.get("muon_ns_fold") else ""
+    fold += "; Muon NS per leaf" if r.get("muon_ns_stack") is False else ""
     unrolled = "; layers unrolled" if r.get("scan_layers") is False else ""
     return (f"{kernels}; remat {r['remat']}{unrolled}; XLA GEMMs {gemm}{flags}{cache}{prebuild}"
             f"{fold}")

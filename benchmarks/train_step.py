@@ -150,6 +150,7 @@ def main(argv):
              scan_layers=None if cfg.model.scan_layers else False,
              attention_impl=cfg.kernels.attention_impl or "auto",
              muon_ns_dtype=cfg.train.muon_ns_dtype, muon_ns_fold=cfg.train.muon_ns_fold or None,
+             muon_ns_stack=None if cfg.train.muon_ns_stack else False,
              xla_flags=os.environ.get("XLA_FLAGS", ""),
              xla_triton_gemm=cfg.kernels.xla_triton_gemm,
              loss=float(m["loss"]), compile_and_warmup_s=round(compile_s, 1), **phases,
@@ -167,7 +168,8 @@ def main(argv):
   common.merge_records(_OUT.value, [rec],
                        ("op", "config", "B", "T", "kda_impl", "gate_up_train", "remat",
                         "xla_flags", "xla_triton_gemm", "profiled", "compile_cache",
-                        "prebuild_mosaic_gpu", "muon_ns_fold", "scan_layers", "device"))
+                        "prebuild_mosaic_gpu", "muon_ns_fold", "muon_ns_stack", "scan_layers",
+                        "device"))
   print(rec)
 
 

@@ -132,6 +132,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "data.default_num_docs", "data.num_workers")
   _bool(cfg, "model.moe.qat")
   _bool(cfg, "train.muon_ns_fold")
+  _bool(cfg, "train.muon_ns_stack")
   n = m.num_layers
   for name in ("full_attn_layers", "kda_layers"):
     field = f"model.{name}"

@@ -430,10 +430,11 @@ class MomentumState(NamedTuple):
 
 def scale_by_grouped_muon(treatments: Callable[[Any], Any], *, beta: float, nesterov: bool,
                           coeffs: tuple[float, float, float], steps: int, eps: float = 1e-8,
-                          ns_dtype: Any = jnp.float32, ns_fold: bool = False
-                          ) -> optax.GradientTransformation:
+                          ns_dtype: Any = jnp.float32, ns_fold: bool = False,
+                          ns_stack: bool = True) -> optax.GradientTransformation:
   """Muon's momentum (`optax.contrib.scale_by_muon`'s, bias-corrected, Nesterov) then NS5 of
-  the blocks, grouped (`orthogonalize`). `treatments(tree)` gives each leaf's `Treatment`."""
+  the blocks, grouped (`orthogonalize`; `ns_stack` its `stack`). `treatments(tree)` gives each
+  leaf's `Treatment`."""
 
   def init(params):
     return MomentumState(jnp.zeros([], jnp.int32),
@@ -450,7 +451,7 @@ def scale_by_grouped_muon(treatments: Callable[[Any], Any], *, beta: float, nest
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
     out = orthogonalize(mu_hat, treatments(updates), coeffs=coeffs, steps=steps, eps=eps,
-                        dtype=ns_dtype, fold=ns_fold)
+                        dtype=ns_dtype, fold=ns_fold, stack=ns_stack)
     return out, MomentumState(count, mu)
 
   return optax.GradientTransformation(init, update)
@@ -484,6 +485,7 @@ def per_head_muon(
     ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
     ns_dtype: str = "float32",
     ns_fold: bool = False,
+    ns_stack: bool = True,
     adam_b1: float = 0.9,
     adam_b2: float = 0.95,
     adam_eps: float = 1e-8,
@@ -509,6 +511,8 @@ def per_head_muon(
     ns_coeffs: quintic Newton-Schulz coefficients (a, b, c).
     ns_dtype: "float32" or "bfloat16" (Muon's own choice: 2-4x faster on GPUs).
     ns_fold: iterate NS5 in its folded form (`newton_schulz`'s `fold`).
+    ns_stack: stack equal blocks of several leaves into one batch (`orthogonalize`'s `stack`);
+      False iterates each leaf's blocks alone.
     adam_b1: AdamW beta1.
     adam_b2: AdamW beta2.
     adam_eps: AdamW epsilon.
@@ -534,7 +538,8 @@ def per_head_muon(
 
   muon_branch = optax.chain(
       scale_by_grouped_muon(treatments, beta=beta, nesterov=nesterov, coeffs=ns_coeffs,
-                            steps=ns_steps, ns_dtype=NS_DTYPES[ns_dtype], ns_fold=ns_fold),
+                            steps=ns_steps, ns_dtype=NS_DTYPES[ns_dtype], ns_fold=ns_fold,
+                            ns_stack=ns_stack),
       scale_by_block_shape(treatments, MOONLIGHT_RMS),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate))

@@ -43,7 +43,8 @@ def make_optimizer(train_cfg: ml_collections.ConfigDict, params) -> optax.Gradie
     mode = "per_head" if train_cfg.optimizer == "muon" else "whole"
     opt = muon.per_head_muon(lr, weight_decay=train_cfg.weight_decay, adam_b1=train_cfg.adam_b1,
                              adam_b2=train_cfg.adam_b2, mode=mode, params_for_dims=params,
-                             ns_dtype=train_cfg.muon_ns_dtype, ns_fold=train_cfg.muon_ns_fold)
+                             ns_dtype=train_cfg.muon_ns_dtype, ns_fold=train_cfg.muon_ns_fold,
+                             ns_stack=train_cfg.muon_ns_stack)
   return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), opt)
 
 

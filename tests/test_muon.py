@@ -218,12 +218,14 @@ def test_per_head_blocks_are_orthogonalised_and_scaled_per_block():
 
 
 # bf16: the rounding of five iterations (6% relative on these blocks).
-@pytest.mark.parametrize("ns_dtype,fold,tol", [("float32", False, 2e-4), ("bfloat16", False, 0.1),
-                                               ("float32", True, 2e-4), ("bfloat16", True, 0.1)])
-def test_grouped_blocks_match_the_per_matrix_oracle(ns_dtype, fold, tol):
+@pytest.mark.parametrize("ns_dtype,fold,stack,tol", [
+    ("float32", False, True, 2e-4), ("bfloat16", False, True, 0.1),
+    ("float32", True, True, 2e-4), ("bfloat16", True, True, 0.1),
+    ("float32", False, False, 2e-4)])
+def test_grouped_blocks_match_the_per_matrix_oracle(ns_dtype, fold, stack, tol):
   """Equal blocks of several leaves (two whole matrices, one of them transposed, per-head
-  Q/K/V and experts) are iterated as one batch, plain or folded (`ns_fold`); each block still
-  equals NS5 of itself."""
+  Q/K/V and experts) are iterated as one batch, plain or folded (`ns_fold`), or each leaf's
+  blocks alone (`ns_stack=False`); each block still equals NS5 of itself."""
   rng = np.random.default_rng(7)
   shapes = {"layers.0.mlp.gate_proj.kernel": (D_MODEL, 2 * D_MODEL),
             "layers.0.mlp.down_proj.kernel": (2 * D_MODEL, D_MODEL),
@@ -234,7 +236,8 @@ def test_grouped_blocks_match_the_per_matrix_oracle(ns_dtype, fold, tol):
   for path, shape in shapes.items():
     grads = _merge(grads, _single(path, jnp.asarray(rng.standard_normal(shape), jnp.float32)))
   params = jax.tree.map(jnp.zeros_like, grads)
-  tx = muon.per_head_muon(1.0, weight_decay=0.0, ns_dtype=ns_dtype, ns_fold=fold)
+  tx = muon.per_head_muon(1.0, weight_decay=0.0, ns_dtype=ns_dtype, ns_fold=fold,
+                          ns_stack=stack)
   updates, _ = tx.update(grads, tx.init(params), params)
   for path, shape in shapes.items():
     g, u = np.asarray(_get(grads, path)), -np.asarray(_get(updates, path))

@@ -96,6 +96,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   t.optimizer = "muon"  # muon (per-head, report §2.5) | muon_whole | adamw
   t.muon_ns_dtype = "bfloat16"  # Newton-Schulz iterations in bfloat16 (Muon's own) or float32
   t.muon_ns_fold = False  # NS5 with each step's scalars in its products' scales (muon.py)
+  t.muon_ns_stack = True  # equal blocks of several leaves in one NS batch; False: per leaf
   t.learning_rate = 3e-4
   t.warmup_frac = 0.01
   t.final_lr_frac = 0.1
