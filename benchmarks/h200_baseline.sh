@@ -109,8 +109,12 @@ print(f"d2d copy: {2*2**30/ms/1e9:.2f} TB/s (read+write)")
 PY
       ;;
     gpu_tests)
+      # 4 workers on the H200's 141 GB; 2 on an 80 GB card, where 4 ran two of the large tests
+      # (16 and 8 GiB buffers) out of memory (H100, 2026-12-06).
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      workers=$([ "${mib:-0}" -ge 100000 ] && echo 4 || echo 2)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_S:-540} python3 -m pytest -q \
-        -p no:cacheprovider -n ${GPU_TEST_WORKERS:-4} --durations=10 \
+        -p no:cacheprovider -n ${GPU_TEST_WORKERS:-$workers} --durations=10 \
         tests/pallas_kernels/test_ragged_dot_gpu.py tests/pallas_kernels/test_decode_attention_gpu.py \
         tests/pallas_kernels/test_mxfp4_matmul_gpu.py tests/pallas_kernels/test_moe_gate_up.py \
         tests/pallas_kernels/test_top_k.py tests/pallas_kernels/test_attention_gpu.py \
