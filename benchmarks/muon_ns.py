@@ -17,7 +17,6 @@ the sum of its groups is the stacking, transposing and casting around them.
   python3 -m benchmarks.muon_ns --out=$OUT/muon_h200.json
 `--toy` runs k3_tiny once on any platform (wall clock).
 """
-import collections
 import math
 
 import jax
@@ -27,6 +26,7 @@ from flax import nnx
 
 from benchmarks import common
 from k3jax import config as config_lib
+from k3jax import flops
 from k3jax import muon
 from k3jax.model import K3ForCausalLM
 
@@ -34,14 +34,9 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/muon_h200.json", "Records 
 _TOY = flags.DEFINE_bool("toy", False, "k3_tiny, one call each, wall clock (any platform).")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/k3_small.py", "Model config.")
 COEFFS = (3.4445, -4.7750, 2.0315)
-STEPS = 5
+STEPS = flops.NS_STEPS
 PEAK_TFLOPS = 989.0
 KEY_FIELDS = ("op", "implementation", "config", "ns_dtype", "device")
-
-
-def ns_flops(blocks: int, m: int, n: int, steps: int = STEPS) -> float:
-  """FLOPs of `steps` NS5 iterations on `blocks` [m, n] blocks (m <= n)."""
-  return blocks * steps * (4 * m * m * n + 2 * m ** 3)
 
 
 def muon_leaves(config: str):
@@ -52,14 +47,7 @@ def muon_leaves(config: str):
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   res = muon._resolver("per_head", None)
   treatments = jax.tree_util.tree_map_with_path(res, params)
-  groups = collections.Counter()
-  for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(
-      treatments, is_leaf=lambda t: isinstance(t, muon.Treatment))):
-    if t.dims is None:
-      continue
-    _, (b, a, c), flip = muon._block_layout(tuple(x.shape), t.dims)
-    groups[(t.treatment, min(a, c), max(a, c))] += b
-  return params, treatments, groups
+  return params, treatments, muon.block_groups(params)
 
 
 def main(argv):
@@ -77,7 +65,7 @@ def main(argv):
               date=common.today(), commit=common.code_commit(), versions=common.versions())
   whole = jax.jit(lambda t: muon.orthogonalize(t, treatments, coeffs=COEFFS, steps=STEPS,
                                                dtype=dtype))
-  total_flops = sum(ns_flops(b, m, n) for (_, m, n), b in groups.items())
+  total_flops = sum(flops.ns_flops(b, m, n) for (_, m, n), b in groups.items())
   records = []
 
   def record(name: str, ms: float, flops: float, **extra):
@@ -91,15 +79,16 @@ def main(argv):
   per_leaf = jax.jit(lambda t: muon.orthogonalize(t, treatments, coeffs=COEFFS, steps=STEPS,
                                                   dtype=dtype, stack=False))
   record("orthogonalize_per_leaf", timer(per_leaf, tree), total_flops)
-  for (treatment, m, n), b in sorted(groups.items(), key=lambda kv: -ns_flops(kv[1], *kv[0][1:])):
-    if ns_flops(b, m, n) < 0.01 * total_flops:
+  by_cost = sorted(groups.items(), key=lambda kv: -flops.ns_flops(kv[1], *kv[0][1:]))
+  for (treatment, m, n), b in by_cost:
+    if flops.ns_flops(b, m, n) < 0.01 * total_flops:
       continue
     blocks = 0.01 * jax.random.normal(next(key), (b, m, n), jnp.float32)
     for fold in (False, True):
       ns = jax.jit(lambda x, fold=fold: muon.newton_schulz(x, COEFFS, STEPS, dtype=dtype,
                                                            fold=fold))
       record(f"ns_{'folded_' if fold else ''}{b}x{m}x{n}", timer(ns, blocks),
-             ns_flops(b, m, n), treatment=treatment, blocks=b, m=m, n=n, fold=fold)
+             flops.ns_flops(b, m, n), treatment=treatment, blocks=b, m=m, n=n, fold=fold)
   common.merge_records(_OUT.value, records, KEY_FIELDS + ("m", "n"))
   plain = [r for r in records if r["implementation"].startswith("ns_") and not r["fold"]]
   print(f"NS FLOPs in all {total_flops / 1e12:.2f} TFLOP; "

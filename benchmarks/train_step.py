@@ -1,5 +1,10 @@
 r"""End-to-end training step of a config on one device: tokens/s and MFU.
 
+MFU counts the model FLOPs (`flops.train_flops_per_token`: no MTP, no optimizer, no
+recomputation); `matmul_fraction` counts every matmul of the step (`flops.step_flops`: those,
+the MTP layer with its LM head, Muon's Newton-Schulz) against the same peak, and `step_tflop`
+keeps the three.
+
 `python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py --out=$OUT/train.json`
 (`--profile_dir=DIR`: an XLA trace of two more steps, for `benchmarks/trace_summary.py`, and the
 table of where their device time goes by part, `benchmarks/step_parts.py`: printed as Markdown
@@ -140,9 +145,14 @@ def main(argv):
   peak, source = flops.peak_flops_per_device()
   counts = flops.count_params(cfg.model)
   fpt = flops.train_flops_per_token(cfg.model, s, counts)
+  mode = {"muon": "per_head", "muon_whole": "whole"}.get(cfg.train.optimizer)
+  work = flops.step_flops(cfg.model, s, b * s, counts, muon_mode=mode)
   rec = dict(op="train_step", config=cfg.name, B=b, T=s, step_ms=round(dt * 1e3, 2),
              tokens_per_s=round(tok_s, 1), model_tflops=round(tok_s * fpt / 1e12, 2),
              mfu=round(tok_s * fpt / peak, 4), peak_source=source, total_params=counts.total,
+             step_tflop={k: float(f"{getattr(work, k) / 1e12:.6g}")
+                         for k in ("model", "mtp", "newton_schulz")},
+             matmul_fraction=round(work.total / dt / peak, 4),
              active_params=counts.active, kda_impl=cfg.kernels.kda_impl or "auto",
              ragged_dot_impl=cfg.kernels.ragged_dot_impl or "auto",
              gate_up_impl=cfg.kernels.gate_up_impl or "auto",

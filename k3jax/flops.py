@@ -4,6 +4,7 @@ Active parameters follow the report's convention (k3_techniques.md §1): the LM 
 input embedding does not, and each MoE layer activates top-k of its routed experts.
 """
 import dataclasses
+import math
 import time
 
 import jax
@@ -12,6 +13,8 @@ import ml_collections
 from flax import nnx
 
 from k3jax import config as config_lib
+from k3jax import mtp as mtp_lib
+from k3jax import muon
 from k3jax.model import K3ForCausalLM
 
 
@@ -76,6 +79,55 @@ def train_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int,
   """
   active = (counts or count_params(model_cfg)).active
   return 6 * active + 3 * attention_flops_per_token(model_cfg, seq_len)
+
+
+NS_STEPS = 5
+
+
+def ns_flops(blocks: int, m: int, n: int, steps: int = NS_STEPS) -> float:
+  """FLOPs of `steps` Newton-Schulz iterations on `blocks` [m, n] blocks (m <= n): per step
+  2 m^2 n for A = X X^T, 2 m^3 for A A and 2 m^2 n for the product with X."""
+  return blocks * steps * (4 * m * m * n + 2 * m ** 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+  """The matmul FLOPs of one training step, by what the MFU counts and what it leaves out."""
+  model: float          # the MFU's: `train_flops_per_token` x tokens
+  mtp: float            # the MTP layer forward + backward, its LM head included
+  newton_schulz: float  # Muon's NS5 on every Muon block
+
+  @property
+  def total(self) -> float:
+    return self.model + self.mtp + self.newton_schulz
+
+
+def step_flops(model_cfg: ml_collections.ConfigDict, seq_len: int, tokens: int,
+               counts: ParamCount | None = None, muon_mode: str | None = "per_head",
+               ns_steps: int = NS_STEPS) -> StepFlops:
+  """`StepFlops` of a step of `tokens` trained tokens.
+
+  MTP (report §4.1.4; `k3jax.mtp`): per depth 6 x its active parameters (top-k of its routed
+  experts) + 3 x its gated-MLA layer's attention + 6 d V for the LM head it shares.
+  Newton-Schulz: `ns_flops` of the blocks `muon.block_groups(..., mode=muon_mode)` finds, once
+  a step; none for `muon_mode=None` (AdamW alone).
+  """
+  model = abstract_model(model_cfg)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  counts = counts or count_params(model_cfg)
+  mtp_fpt = 0.0
+  if counts.mtp:
+    e = model_cfg.moe
+    routed = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
+        params.get("mtp", {})) if "experts" in (getattr(k, "key", None) for k in p))
+    active = counts.mtp - routed + routed * e.num_experts_per_tok // max(e.num_experts, 1)
+    mtp_fpt = (6 * active
+               + 3 * attention_flops_per_token(mtp_lib.block_config(model_cfg), seq_len)
+               + 6 * model_cfg.hidden_size * model_cfg.vocab_size) * model_cfg.mtp_num_layers
+  groups = muon.block_groups(params, mode=muon_mode) if muon_mode else {}
+  ns = sum(ns_flops(b, m, n, ns_steps) for (_, m, n), b in groups.items())
+  return StepFlops(model=train_flops_per_token(model_cfg, seq_len, counts) * tokens,
+                   mtp=mtp_fpt * tokens, newton_schulz=float(ns))
 
 
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v5p": 459e12,

@@ -283,6 +283,21 @@ def _block_layout(shape: tuple[int, ...], dims: DimNums
   return batch + red + out, (math.prod(shape[i] for i in batch), a, b), a > b
 
 
+def block_groups(params: Any, *, mode: str = "per_head") -> dict[tuple[str, int, int], int]:
+  """{(treatment, m, n): blocks} of the Muon leaves of `params` (arrays or ShapeDtypeStructs)
+  as `orthogonalize` groups them: blocks [m, n] with m <= n, counted over leaves."""
+  res = _resolver(mode, None)
+  groups: dict[tuple[str, int, int], int] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    t = res(path, x)
+    if t.dims is None:
+      continue
+    _, (b, a, c), _ = _block_layout(tuple(x.shape), t.dims)
+    key = (t.treatment, min(a, c), max(a, c))
+    groups[key] = groups.get(key, 0) + b
+  return groups
+
+
 def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int,
                   eps: float = 1e-8, dtype: Any = jnp.float32, fold: bool = False
                   ) -> jax.Array:

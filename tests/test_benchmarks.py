@@ -194,6 +194,11 @@ def test_train_step_benchmark_reports_throughput(tmp_path):
   names = [p["name"] for p in rec["compile_parts"]]
   assert any("Compile" in n for n in names), names  # the XLA compiler's own events
   assert rec["mfu"] > 0 and rec["total_params"] >= rec["active_params"] > 0
+  work = rec["step_tflop"]
+  assert work["mtp"] > 0 and work["newton_schulz"] > 0
+  ratio = sum(work.values()) / work["model"]  # mfu and matmul_fraction: 4 decimals each
+  assert math.isclose(rec["matmul_fraction"], rec["mfu"] * ratio, rel_tol=0.01,
+                      abs_tol=1e-4 * (ratio + 1))
 
 
 def test_compile_parts_counts_the_kernels_of_each_part(tmp_path):

@@ -124,6 +124,37 @@ def test_mtp_in_model_state_is_not_counted_twice():
   assert names["mtp"]["eh_proj"]["kernel"] == ("mtp_concat", "embed")
 
 
+def test_step_flops_count_the_mtp_head_and_newton_schulz():
+  """`flops.step_flops` of k3_tiny: the MTP depth from the written-out parameter formula, one
+  MLA layer's causal attention and the shared LM head; Newton-Schulz summed leaf by leaf, each
+  block [m, n] (m <= n) costing 5 steps of 4 m^2 n + 2 m^3."""
+  cfg = _load("k3_tiny")
+  m, tokens, t = cfg.model, 64, 32
+  got = flops.step_flops(m, t, tokens)
+  e, a = m.moe, m.mla
+  routed = 3 * e.num_experts * e.latent_size * e.moe_intermediate_size
+  active = _mtp_params(m) - routed + routed * e.num_experts_per_tok // e.num_experts
+  attention = 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * t / 2
+  want_mtp = tokens * m.mtp_num_layers * (6 * active + 3 * attention
+                                          + 6 * m.hidden_size * m.vocab_size)
+  assert got.mtp == want_mtp
+  params = nnx.to_pure_dict(nnx.state(flops.abstract_model(m), nnx.Param))
+  want_ns = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    dims = muon.resolve(muon.path_str(path), tuple(x.shape)).dims
+    if dims is None:
+      continue
+    axes = lambda d: {d % x.ndim} if isinstance(d, int) else {i % x.ndim for i in d}
+    red, out = axes(dims.reduction_axis), axes(dims.output_axis)
+    r, o = (math.prod(x.shape[i] for i in s) for s in (red, out))
+    blocks = math.prod(x.shape) // (r * o)
+    lo, hi = min(r, o), max(r, o)
+    want_ns += blocks * 5 * (4 * lo * lo * hi + 2 * lo ** 3)
+  assert want_ns > 0 and got.newton_schulz == want_ns
+  assert got.model == tokens * flops.train_flops_per_token(m, t)
+  assert got.total == got.model + got.mtp + got.newton_schulz
+
+
 def test_bad_mesh_and_config_errors():
   with pytest.raises(ValueError, match="mesh.data"):
     plan_lib.make_plan(_load("k3_tiny"))
