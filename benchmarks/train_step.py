@@ -1,9 +1,9 @@
 r"""End-to-end training step of a config on one device: tokens/s and MFU.
 
 MFU counts the model FLOPs (`flops.train_flops_per_token`: no MTP, no optimizer, no
-recomputation); `matmul_fraction` counts every matmul of the step (`flops.step_flops`: those,
-the MTP layer with its LM head, Muon's Newton-Schulz) against the same peak, and `step_tflop`
-keeps the three.
+recomputation); `matmul_fraction` counts every matmul of the step but remat's recomputation
+(`flops.step_flops`: those, the MTP layer with its LM head, Muon's Newton-Schulz) against the
+same peak, and `step_tflop` keeps the three.
 
 `python3 -m benchmarks.train_step --config=experiments/configs/k3_small.py --out=$OUT/train.json`
 (`--profile_dir=DIR`: an XLA trace of two more steps, for `benchmarks/trace_summary.py`, and the

@@ -92,7 +92,8 @@ def ns_flops(blocks: int, m: int, n: int, steps: int = NS_STEPS) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class StepFlops:
-  """The matmul FLOPs of one training step, by what the MFU counts and what it leaves out."""
+  """The matmul FLOPs of one training step (remat's recomputation aside), by what the MFU
+  counts and what it leaves out."""
   model: float          # the MFU's: `train_flops_per_token` x tokens
   mtp: float            # the MTP layer forward + backward, its LM head included
   newton_schulz: float  # Muon's NS5 on every Muon block
