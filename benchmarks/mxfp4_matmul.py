@@ -28,7 +28,10 @@ Rows (implementation):
   cuBLAS (dense) or our bf16 grouped GEMM (grouped);
 - "bf16_xla": `jnp.dot` with the dequantized bf16 weight (materialised beforehand), dense only;
 - "bf16_ragged_dot": our bf16 grouped GEMM `pallas_kernels.ragged_dot.ragged_dot` (its default
-  tier; `tier` says which ran), grouped only.
+  tier; `tier` says which ran), grouped only;
+- "stream_packed" / "stream_bf16": no product, an XLA row reduction that reads the packed
+  weight and its scales (or the bf16 weight) once as uint32 words into [G, N]: how long one
+  kernel takes just to read those bytes at this size, beside the products that must.
 Weights rotate through enough copies that every call reads them from HBM, not L2 (50 MB on the
 H200). `median_ms` is device time: the summed kernel durations per call in an XLA profiler
 trace of back-to-back calls cycling the weight copies (`common.device_ms_cycling`; every kernel
@@ -175,6 +178,26 @@ def mxfp8_reference(x, packed, scale, grouped: bool) -> jax.Array:
   return op.mxfp4_matmul(xq, packed, scale, impl="reference", preferred_element_type=jnp.float32)
 
 
+def _words(a: jax.Array) -> jax.Array:
+  """a [..., L] (1- or 2-byte elements, L * itemsize divisible by 4) as uint32 [..., L / w]."""
+  per = 4 // a.dtype.itemsize
+  return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], -1, per), jnp.uint32)
+
+
+def stream(*arrays: jax.Array) -> jax.Array:
+  """Each array read once as uint32 words, xor-reduced over its last axis and the results
+  xor-ed: [...] uint32 (the reads of `stream_*` rows)."""
+  out = None
+  for a in arrays:
+    r = jax.lax.reduce(_words(a), jnp.uint32(0), jax.lax.bitwise_xor, (a.ndim - 1,))
+    out = r if out is None else out ^ r
+  return out
+
+
+STREAM_ROWS = {"stream_packed": (lambda x, p, s: stream(p, s), "mxfp4"),
+               "stream_bf16": (lambda x, w: stream(w), "bf16")}
+
+
 def implementations(grouped: bool, toy: bool, configs: dict, tconfigs: dict) -> dict:
   """name -> (fn(x, *weights), which weights: "mxfp4" (packed, scale) or "bf16"); configs:
   `variant_configs`, tconfigs: `triton_configs`, run through the tier modules directly."""
@@ -199,6 +222,7 @@ def implementations(grouped: bool, toy: bool, configs: dict, tconfigs: dict) -> 
         "mxfp4_unpacked": (lambda x, p, s: op.mxfp4_ragged_dot(x, p, s, sizes(x),
                                                                impl="unpacked"), "mxfp4"),
         "bf16_ragged_dot": (lambda x, w_t: grouped_gemm.ragged_dot(x, w_t, sizes(x)), "bf16"),
+        **STREAM_ROWS,
     }
   return {
       "mxfp4_mosaic_gpu": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="mosaic_gpu",
@@ -215,6 +239,7 @@ def implementations(grouped: bool, toy: bool, configs: dict, tconfigs: dict) -> 
       "mxfp4_xla": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="xla"), "mxfp4"),
       "mxfp4_unpacked": (lambda x, p, s: op.mxfp4_matmul(x, p, s, impl="unpacked"), "mxfp4"),
       "bf16_xla": (lambda x, w: jnp.dot(x, w.T), "bf16"),
+      **STREAM_ROWS,
   }
 
 
@@ -292,10 +317,11 @@ def run_shape(m: int, k: int, n: int, grouped: bool, toy: bool, peak: float,
                  wall_ms=round(wall_rotating(jitted, x, sets[kind], reps=10, calls=10), 4))
     outputs[name] = jitted(x, *sets[kind][0]).astype(jnp.float32)
     weight_bytes = mxfp4_bytes(g, n, k) if kind == "mxfp4" else g * n * k * 2
-    tf = 2 * m * k * n / (ms * 1e-3) / 1e12
+    tf = 0.0 if name in STREAM_ROWS else 2 * m * k * n / (ms * 1e-3) / 1e12
     tbps = weight_bytes / (ms * 1e-3) / 1e12
-    rec.update(median_ms=round(ms, 4), tflops=round(tf, 2),
-               peak_fraction=round(tf * 1e12 / peak, 4), weight_bytes=weight_bytes,
+    rec.update(median_ms=round(ms, 4), tflops=round(tf, 2) if tf else None,
+               peak_fraction=round(tf * 1e12 / peak, 4) if tf else None,
+               weight_bytes=weight_bytes,
                weight_tbps=round(tbps, 3),
                copy_fraction=None if copy is None else round(tbps / copy, 3))
     print(f"{base['op']:16s} M{m:<5d} K{k} N{n} {name:18s} {ms:9.4f} ms {tf:8.2f} TFLOP/s "

@@ -85,6 +85,24 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
+def test_mxfp4_stream_rows_read_every_word():
+  """The `stream_*` rows' reduction xors every uint32 word of each array (numpy's view of the
+  same bytes as the oracle), so their time is that of reading all the weight bytes."""
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks import mxfp4_matmul
+  rng = np.random.default_rng(3)
+  packed = rng.integers(0, 256, (2, 6, 16), dtype=np.uint8)
+  scale = rng.integers(0, 256, (2, 6, 8), dtype=np.uint8)
+  w = rng.standard_normal((2, 6, 10)).astype(jnp.bfloat16)
+  want = (np.bitwise_xor.reduce(packed.view(np.uint32), axis=-1)
+          ^ np.bitwise_xor.reduce(scale.view(np.uint32), axis=-1))
+  np.testing.assert_array_equal(np.asarray(mxfp4_matmul.stream(jnp.asarray(packed),
+                                                               jnp.asarray(scale))), want)
+  np.testing.assert_array_equal(np.asarray(mxfp4_matmul.stream(jnp.asarray(w))),
+                                np.bitwise_xor.reduce(w.view(np.uint32), axis=-1))
+
+
 def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
   out = tmp_path / "mxfp4.json"
   run_module("benchmarks.mxfp4_matmul", "--toy", f"--out={out}",
@@ -96,15 +114,18 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
   fp8 = "mxfp4_triton_n32_fp8"       # x rounded to MXFP8: checked against its own oracle
   tritons = ("mxfp4_triton", "mxfp4_triton_swap64", fp8)
   mxfp4 = ours + tritons + ("mxfp4_reference", "mxfp4_xla", "mxfp4_unpacked")
+  streams = ("stream_packed", "stream_bf16")
   assert rows == {("mxfp4_matmul", m, impl) for m in (16, 72)
-                  for impl in mxfp4 + ("bf16_xla",)} | {
-                      ("mxfp4_ragged_dot", 16, impl) for impl in mxfp4 + ("bf16_ragged_dot",)} | {
+                  for impl in mxfp4 + streams + ("bf16_xla",)} | {
+                      ("mxfp4_ragged_dot", 16, impl)
+                      for impl in mxfp4 + streams + ("bf16_ragged_dot",)} | {
                           ("mxfp4_matmul", 16, unswapped), ("mxfp4_ragged_dot", 16, unswapped)}
   for r in recs:
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and "jax" in r["versions"]
     assert r["timing"].startswith("wall")
     g, k, n = r["shape"]["G"], r["shape"]["K"], r["shape"]["N"]
-    bits = 16 if r["implementation"].startswith("bf16") else 4.25
+    bits = 16 if r["implementation"].endswith("bf16") or r["implementation"].startswith(
+        "bf16") else 4.25
     assert r["weight_bytes"] == g * n * k * bits / 8
   for r in recs:
     impl, m = r["implementation"], r["shape"]["M"]
