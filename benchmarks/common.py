@@ -52,6 +52,20 @@ def copy_tbps() -> float:
   return 2 * 2 ** 30 / ms / 1e9
 
 
+def read_words(*arrays: jax.Array) -> jax.Array:
+  """Each array [..., L] (1- or 2-byte elements, L * itemsize a multiple of 4) read once as
+  uint32 words, xor-reduced over its last axis, the results xor-ed: [...] uint32. A kernel
+  that only reads its operands: the read time of memory-bound rows (`mxfp4_matmul`'s
+  `stream_*`)."""
+  out = None
+  for a in arrays:
+    words = jax.lax.bitcast_convert_type(
+        a.reshape(*a.shape[:-1], -1, 4 // a.dtype.itemsize), jnp.uint32)
+    r = jax.lax.reduce(words, jnp.uint32(0), jax.lax.bitwise_xor, (a.ndim - 1,))
+    out = r if out is None else out ^ r
+  return out
+
+
 def device_ms(fn: Callable, *args, reps: int = 20) -> float:
   """Device milliseconds per call of `fn(*args)`: the summed kernel durations of `reps` calls in
   an XLA profiler trace. For ops shorter than JAX's dispatch of a call (~0.07 ms), which

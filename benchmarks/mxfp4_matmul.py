@@ -30,8 +30,9 @@ Rows (implementation):
 - "bf16_ragged_dot": our bf16 grouped GEMM `pallas_kernels.ragged_dot.ragged_dot` (its default
   tier; `tier` says which ran), grouped only;
 - "stream_packed" / "stream_bf16": no product, an XLA row reduction that reads the packed
-  weight and its scales (or the bf16 weight) once as uint32 words into [G, N]: how long one
-  kernel takes just to read those bytes at this size, beside the products that must.
+  weight and its scales (or the bf16 weight) once as uint32 words into [G, N]
+  (`common.read_words`): how long one kernel takes just to read those bytes at this size,
+  beside the products that must.
 Weights rotate through enough copies that every call reads them from HBM, not L2 (50 MB on the
 H200). `median_ms` is device time: the summed kernel durations per call in an XLA profiler
 trace of back-to-back calls cycling the weight copies (`common.device_ms_cycling`; every kernel
@@ -178,24 +179,8 @@ def mxfp8_reference(x, packed, scale, grouped: bool) -> jax.Array:
   return op.mxfp4_matmul(xq, packed, scale, impl="reference", preferred_element_type=jnp.float32)
 
 
-def _words(a: jax.Array) -> jax.Array:
-  """a [..., L] (1- or 2-byte elements, L * itemsize divisible by 4) as uint32 [..., L / w]."""
-  per = 4 // a.dtype.itemsize
-  return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], -1, per), jnp.uint32)
-
-
-def stream(*arrays: jax.Array) -> jax.Array:
-  """Each array read once as uint32 words, xor-reduced over its last axis and the results
-  xor-ed: [...] uint32 (the reads of `stream_*` rows)."""
-  out = None
-  for a in arrays:
-    r = jax.lax.reduce(_words(a), jnp.uint32(0), jax.lax.bitwise_xor, (a.ndim - 1,))
-    out = r if out is None else out ^ r
-  return out
-
-
-STREAM_ROWS = {"stream_packed": (lambda x, p, s: stream(p, s), "mxfp4"),
-               "stream_bf16": (lambda x, w: stream(w), "bf16")}
+STREAM_ROWS = {"stream_packed": (lambda x, p, s: common.read_words(p, s), "mxfp4"),
+               "stream_bf16": (lambda x, w: common.read_words(w), "bf16")}
 
 
 def implementations(grouped: bool, toy: bool, configs: dict, tconfigs: dict) -> dict:

@@ -85,21 +85,22 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
-def test_mxfp4_stream_rows_read_every_word():
-  """The `stream_*` rows' reduction xors every uint32 word of each array (numpy's view of the
-  same bytes as the oracle), so their time is that of reading all the weight bytes."""
+def test_read_words_reads_every_word():
+  """`common.read_words` (the MXFP4 benchmark's `stream_*` rows) xors every uint32 word of each
+  array (numpy's view of the same bytes as the oracle), so its time is that of reading all the
+  bytes."""
   import jax.numpy as jnp
   import numpy as np
-  from benchmarks import mxfp4_matmul
+  from benchmarks import common
   rng = np.random.default_rng(3)
   packed = rng.integers(0, 256, (2, 6, 16), dtype=np.uint8)
   scale = rng.integers(0, 256, (2, 6, 8), dtype=np.uint8)
   w = rng.standard_normal((2, 6, 10)).astype(jnp.bfloat16)
   want = (np.bitwise_xor.reduce(packed.view(np.uint32), axis=-1)
           ^ np.bitwise_xor.reduce(scale.view(np.uint32), axis=-1))
-  np.testing.assert_array_equal(np.asarray(mxfp4_matmul.stream(jnp.asarray(packed),
-                                                               jnp.asarray(scale))), want)
-  np.testing.assert_array_equal(np.asarray(mxfp4_matmul.stream(jnp.asarray(w))),
+  np.testing.assert_array_equal(
+      np.asarray(common.read_words(jnp.asarray(packed), jnp.asarray(scale))), want)
+  np.testing.assert_array_equal(np.asarray(common.read_words(jnp.asarray(w))),
                                 np.bitwise_xor.reduce(w.view(np.uint32), axis=-1))
 
 
