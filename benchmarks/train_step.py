@@ -145,8 +145,7 @@ def main(argv):
   peak, source = flops.peak_flops_per_device()
   counts = flops.count_params(cfg.model)
   fpt = flops.train_flops_per_token(cfg.model, s, counts)
-  mode = {"muon": "per_head", "muon_whole": "whole"}.get(cfg.train.optimizer)
-  work = flops.step_flops(cfg.model, s, b * s, counts, muon_mode=mode)
+  work = flops.step_flops(cfg.model, s, b * s, counts, muon_mode=train.muon_mode(cfg.train))
   rec = dict(op="train_step", config=cfg.name, B=b, T=s, step_ms=round(dt * 1e3, 2),
              tokens_per_s=round(tok_s, 1), model_tflops=round(tok_s * fpt / 1e12, 2),
              mfu=round(tok_s * fpt / peak, 4), peak_source=source, total_params=counts.total,

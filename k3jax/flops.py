@@ -4,7 +4,6 @@ Active parameters follow the report's convention (k3_techniques.md §1): the LM 
 input embedding does not, and each MoE layer activates top-k of its routed experts.
 """
 import dataclasses
-import math
 import time
 
 import jax
@@ -25,6 +24,7 @@ class ParamCount:
   embedding: int
   routed_experts: int
   mtp: int
+  mtp_active: int = 0   # the MTP depths' parameters with top-k of their routed experts
 
 
 def abstract_model(model_cfg: ml_collections.ConfigDict, model_cls=None):
@@ -37,7 +37,7 @@ def count_params(model_cfg: ml_collections.ConfigDict) -> ParamCount:
   """Total and active parameter counts of the text model (MTP reported separately)."""
   model = abstract_model(model_cfg)
   flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-  total = embedding = routed = mtp = 0
+  total = embedding = routed = mtp = mtp_routed = 0
   for path, var in flat:
     n = 1
     for s in var.shape:
@@ -45,6 +45,7 @@ def count_params(model_cfg: ml_collections.ConfigDict) -> ParamCount:
     keys = [str(p) for p in path]
     if keys[0] == "mtp":
       mtp += n
+      mtp_routed += n if "experts" in keys else 0
       continue
     total += n
     if keys[0] == "embed_tokens":
@@ -52,9 +53,10 @@ def count_params(model_cfg: ml_collections.ConfigDict) -> ParamCount:
     if "experts" in keys:
       routed += n
   e = model_cfg.moe
-  active_routed = routed * e.num_experts_per_tok // e.num_experts if e.num_experts else 0
-  active = total - embedding - routed + active_routed
-  return ParamCount(total=total, active=active, embedding=embedding, routed_experts=routed, mtp=mtp)
+  top_k = lambda r: r * e.num_experts_per_tok // e.num_experts if e.num_experts else 0
+  active = total - embedding - routed + top_k(routed)
+  return ParamCount(total=total, active=active, embedding=embedding, routed_experts=routed, mtp=mtp,
+                    mtp_active=mtp - mtp_routed + top_k(mtp_routed))
 
 
 def attention_flops_per_token(model_cfg: ml_collections.ConfigDict, seq_len: int) -> float:
@@ -113,19 +115,16 @@ def step_flops(model_cfg: ml_collections.ConfigDict, seq_len: int, tokens: int,
   Newton-Schulz: `ns_flops` of the blocks `muon.block_groups(..., mode=muon_mode)` finds, once
   a step; none for `muon_mode=None` (AdamW alone).
   """
-  model = abstract_model(model_cfg)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   counts = counts or count_params(model_cfg)
   mtp_fpt = 0.0
   if counts.mtp:
-    e = model_cfg.moe
-    routed = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
-        params.get("mtp", {})) if "experts" in (getattr(k, "key", None) for k in p))
-    active = counts.mtp - routed + routed * e.num_experts_per_tok // max(e.num_experts, 1)
-    mtp_fpt = (6 * active
-               + 3 * attention_flops_per_token(mtp_lib.block_config(model_cfg), seq_len)
-               + 6 * model_cfg.hidden_size * model_cfg.vocab_size) * model_cfg.mtp_num_layers
-  groups = muon.block_groups(params, mode=muon_mode) if muon_mode else {}
+    per_depth = (3 * attention_flops_per_token(mtp_lib.block_config(model_cfg), seq_len)
+                 + 6 * model_cfg.hidden_size * model_cfg.vocab_size)
+    mtp_fpt = 6 * counts.mtp_active + per_depth * model_cfg.mtp_num_layers
+  groups = {}
+  if muon_mode:
+    params = nnx.to_pure_dict(nnx.state(abstract_model(model_cfg), nnx.Param))
+    groups = muon.block_groups(params, mode=muon_mode)
   ns = sum(ns_flops(b, m, n, ns_steps) for (_, m, n), b in groups.items())
   return StepFlops(model=train_flops_per_token(model_cfg, seq_len, counts) * tokens,
                    mtp=mtp_fpt * tokens, newton_schulz=float(ns))

@@ -33,6 +33,11 @@ def _decay_mask(params):
   return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
+def muon_mode(train_cfg: ml_collections.ConfigDict) -> str | None:
+  """`muon.per_head_muon`'s mode for `train.optimizer`: "per_head", "whole", or None (AdamW)."""
+  return {"muon": "per_head", "muon_whole": "whole"}.get(train_cfg.optimizer)
+
+
 def make_optimizer(train_cfg: ml_collections.ConfigDict, params) -> optax.GradientTransformation:
   """Clip by global norm, then AdamW or per-head Muon (+ AdamW for the rest)."""
   lr = make_schedule(train_cfg)
@@ -40,9 +45,9 @@ def make_optimizer(train_cfg: ml_collections.ConfigDict, params) -> optax.Gradie
     opt = optax.adamw(lr, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
                       weight_decay=train_cfg.weight_decay, mask=_decay_mask)
   else:
-    mode = "per_head" if train_cfg.optimizer == "muon" else "whole"
     opt = muon.per_head_muon(lr, weight_decay=train_cfg.weight_decay, adam_b1=train_cfg.adam_b1,
-                             adam_b2=train_cfg.adam_b2, mode=mode, params_for_dims=params,
+                             adam_b2=train_cfg.adam_b2, mode=muon_mode(train_cfg),
+                             params_for_dims=params,
                              ns_dtype=train_cfg.muon_ns_dtype, ns_fold=train_cfg.muon_ns_fold,
                              ns_stack=train_cfg.muon_ns_stack)
   return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), opt)
