@@ -167,6 +167,12 @@ CONFIGS = {
     # 2026-12-03: 1.05-1.1x "shift" dense, 1.3x grouped).
     "n32_ptx": Config(block_n=32, dequant="ptx"),
     "n64_ptx": Config(block_n=64, block_k=256, dequant="ptx"),
+    # block_k 128: fewer registers a program (109-126 against 168 at block_k 256, sm_90a, by
+    # `benchmarks.triton_sass`), so 4 programs an SM and the 432 grouped programs of 8 experts
+    # in one wave.
+    "n64_ptx_k128": Config(block_n=64, block_k=128, dequant="ptx"),
+    "n64_ptx_k128_s8": Config(block_n=64, block_k=128, dequant="ptx", num_stages=8),
+    "n128_ptx_k128_w8": Config(block_n=128, block_k=128, dequant="ptx", num_warps=8),
     # Split-K, one K step a program and so one stage (no pipeline; a quarter of the shared
     # memory, more programs resident per SM): dense 1.0-1.3x n32_ptx, grouped slower.
     "n32_ptx_k256_s16_st1": Config(block_n=32, block_k=256, dequant="ptx", split_k=16,
@@ -374,13 +380,41 @@ def _ptx_values(packed: jax.Array, factor: jax.Array | None, high: bool) -> jax.
   return out
 
 
+# Four E8M0 bytes ($2) -> their factors 2^(s - 127) as two bf16x2 registers ($0: bytes 0, 1; $1:
+# bytes 2, 3), `e8m0_bf16` without compares: a byte in each 16-bit half (prmt), its bits s << 7,
+# or'ed with 0x40 where all 8 bits of s are equal (s = 0: the subnormal 2^-127; s = 255: NaN
+# 0x7FC0): u = (t ^ (t >> 1)) & 0x7F is 0 exactly then, and u + 0x7F sets bit 7 exactly when not.
+_PTX_FACTOR_PAIR = """prmt.b32 t, $2, 0, {select};
+shr.b32 u, t, 1;
+xor.b32 u, u, t;
+and.b32 u, u, 0x007F007F;
+add.u32 u, u, 0x007F007F;
+not.b32 u, u;
+shr.b32 u, u, 1;
+and.b32 u, u, 0x00400040;
+shl.b32 t, t, 7;
+or.b32 ${out}, t, u;
+"""
+
+
+def _ptx_factor(scale: jax.Array) -> jax.Array:
+  """E8M0 bytes (uint8) -> 2^(s - 127) in bf16, `e8m0_bf16`'s values, four bytes a call."""
+  pairs = [_PTX_FACTOR_PAIR.format(select=select, out=out)
+           for out, select in enumerate(("0x4140", "0x4342"))]
+  [out] = plgpu_triton.elementwise_inline_asm(
+      "".join(["{\n.reg .b32 t, u;\n", *pairs, "}"]), args=[scale],
+      constraints="=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.bfloat16)])
+  return out
+
+
 def dequantize(packed: jax.Array, scale: jax.Array, dequant: str,
                interpret: bool) -> tuple[jax.Array, jax.Array]:
   """packed [bn, nb, 16] uint8 and scale [bn, nb] uint8 -> (W's even columns, W's odd columns),
   each [bn, nb * 16] bf16."""
   bn, nb, _ = packed.shape
   if dequant == "ptx" and not interpret:
-    factor = jnp.broadcast_to(e8m0_bf16(scale.astype(jnp.int16))[:, :, None], packed.shape)
+    factor = jnp.broadcast_to(_ptx_factor(scale)[:, :, None], packed.shape)
     lo, hi = (_ptx_values(packed, factor, high) for high in (False, True))
     return lo.reshape(bn, nb * HALF), hi.reshape(bn, nb * HALF)
   b = packed.astype(jnp.int16)
