@@ -403,17 +403,6 @@ or.b32 ${out}, t, u;
 """
 
 
-def _ptx_factor(scale: jax.Array) -> jax.Array:
-  """E8M0 bytes (uint8) -> 2^(s - 127) in bf16, `e8m0_bf16`'s values, four bytes a call."""
-  pairs = [_PTX_FACTOR_PAIR.format(select=select, out=out)
-           for out, select in enumerate(("0x4140", "0x4342"))]
-  [out] = plgpu_triton.elementwise_inline_asm(
-      "".join(["{\n.reg .b32 t, u;\n", *pairs, "}"]), args=[scale],
-      constraints="=r,=r,r", pack=4,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.bfloat16)])
-  return out
-
-
 # Four E8M0 bytes ($2), each at most 128 -> 2^(s - 1) = 2^126 * 2^(s - 127) as two bf16x2
 # registers: the bits (s + 126) << 7 (normal from s = 0 to 128).
 _PTX_FOLDED_FACTOR_PAIR = """prmt.b32 t, $2, 0, {select};
@@ -422,12 +411,14 @@ add.u32 ${out}, t, 0x3F003F00;
 """
 
 
-def _ptx_folded_factor(scale: jax.Array) -> jax.Array:
-  """E8M0 bytes (uint8), each at most 128 -> 2^(s - 1) in bf16, four bytes a call."""
-  pairs = [_PTX_FOLDED_FACTOR_PAIR.format(select=select, out=out)
+def _ptx_factor(scale: jax.Array, folded: bool = False) -> jax.Array:
+  """E8M0 bytes (uint8) -> 2^(s - 127) in bf16, `e8m0_bf16`'s values (folded: bytes at most 128
+  -> 2^(s - 1)), four bytes a call."""
+  template = _PTX_FOLDED_FACTOR_PAIR if folded else _PTX_FACTOR_PAIR
+  pairs = [template.format(select=select, out=out)
            for out, select in enumerate(("0x4140", "0x4342"))]
   [out] = plgpu_triton.elementwise_inline_asm(
-      "".join(["{\n.reg .b32 t;\n", *pairs, "}"]), args=[scale],
+      "".join(["{\n.reg .b32 t, u;\n", *pairs, "}"]), args=[scale],
       constraints="=r,=r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.bfloat16)])
   return out
@@ -441,7 +432,7 @@ def dequantize(packed: jax.Array, scale: jax.Array, dequant: str, interpret: boo
   bn, nb, _ = packed.shape
   if dequant in ("ptx", "ptx1") and not interpret:
     folded = dequant == "ptx1" and small_scales
-    factor = (_ptx_folded_factor if folded else _ptx_factor)(scale)
+    factor = _ptx_factor(scale, folded)
     factor = jnp.broadcast_to(factor[:, :, None], packed.shape)
     lo, hi = (_ptx_values(packed, factor, high, folded) for high in (False, True))
     return lo.reshape(bn, nb * HALF), hi.reshape(bn, nb * HALF)
