@@ -55,6 +55,8 @@ Dequantization (`Config.dequant`), exact in bf16 (a 2-bit-mantissa value times a
     half), each nibble's sign and magnitude bits shifted and masked into bf16 bit positions for
     both halves at once (`shl`, `and`, `or`), then `mul.rn.bf16x2` by 2^126 and by the scale:
     about 14 instructions per 4 weights, where "shift"'s integer ops take a register a weight.
+    The scale's factor is made in PTX too, two bytes a register without compares (s << 7, and
+    0x40 where all of s's bits are equal: 0 and 255).
 The scales are broadcast along the 16 bytes of their block (a [block_n, block_k/32, 1]
 operand), so there is no gather.
 
@@ -118,7 +120,7 @@ from pallas_kernels.mxfp4_matmul import reference
 
 BLOCK = 32                      # elements per E8M0 scale along K
 HALF = BLOCK // 2               # packed bytes per scale block
-DEQUANTS = ("exp", "shift", "ptx", "ptx1")
+DEQUANTS = ("exp", "shift", "ptx")
 ACTS = ("bf16", "mxfp8")
 MAX_GROUPS = 1 << 14            # group_sizes is loaded whole into one program's registers
 MAX_GRID = 65535                # CUDA's limit on the grid's second dim (row blocks or slots)
@@ -167,15 +169,6 @@ CONFIGS = {
     # 2026-12-03: 1.05-1.1x "shift" dense, 1.3x grouped).
     "n32_ptx": Config(block_n=32, dequant="ptx"),
     "n64_ptx": Config(block_n=64, block_k=256, dequant="ptx"),
-    # block_k 128: fewer registers a program (109-126 against 168 at block_k 256, sm_90a, by
-    # `benchmarks.triton_sass`), so 4 programs an SM and the 432 grouped programs of 8 experts
-    # in one wave.
-    "n64_ptx_k128": Config(block_n=64, block_k=128, dequant="ptx"),
-    "n64_ptx_k128_s8": Config(block_n=64, block_k=128, dequant="ptx", num_stages=8),
-    "n128_ptx_k128_w8": Config(block_n=128, block_k=128, dequant="ptx", num_warps=8),
-    "n64_ptx1": Config(block_n=64, block_k=256, dequant="ptx1"),
-    "n64_ptx1_k128": Config(block_n=64, block_k=128, dequant="ptx1"),
-    "n32_ptx1": Config(block_n=32, dequant="ptx1"),
     # Split-K, one K step a program and so one stage (no pipeline; a quarter of the shared
     # memory, more programs resident per SM): dense 1.0-1.3x n32_ptx, grouped slower.
     "n32_ptx_k256_s16_st1": Config(block_n=32, block_k=256, dequant="ptx", split_k=16,
@@ -364,17 +357,14 @@ and.b32 b, b, 0x80008000;
 or.b32 a, a, b;
 {scale}"""
 _PTX_SCALED = "mul.rn.bf16x2 a, a, c;\nmul.rn.bf16x2 ${out}, a, ${factor};\n"
-_PTX_FOLDED = "mul.rn.bf16x2 ${out}, a, ${factor};\n"
 _PTX_UNSCALED = "mul.rn.bf16x2 ${out}, a, c;\n"
 
 
-def _ptx_values(packed: jax.Array, factor: jax.Array | None, high: bool,
-                folded: bool = False) -> jax.Array:
+def _ptx_values(packed: jax.Array, factor: jax.Array | None, high: bool) -> jax.Array:
   """packed [..., 16] uint8, factor bf16 of its shape -> the low (or high) nibbles' values
-  (factor None: the E2M1 values unscaled; folded: factor is 2^126 times the scale, one
-  multiply)."""
+  (factor None: the E2M1 values unscaled)."""
   shifts = dict(s=8, m=2) if high else dict(s=12, m=6)
-  tail = _PTX_UNSCALED if factor is None else _PTX_FOLDED if folded else _PTX_SCALED
+  tail = _PTX_UNSCALED if factor is None else _PTX_SCALED
   pairs = [_PTX_PAIR.format(select=select, scale=tail.format(out=out, factor=3 + out), **shifts)
            for out, select in enumerate(("0x4140", "0x4342"))]
   asm = "".join(["{\n.reg .b32 t, a, b, c, z;\nmov.b32 c, 0x7E807E80;\nmov.b32 z, 0;\n",
@@ -403,19 +393,9 @@ or.b32 ${out}, t, u;
 """
 
 
-# Four E8M0 bytes ($2), each at most 128 -> 2^(s - 1) = 2^126 * 2^(s - 127) as two bf16x2
-# registers: the bits (s + 126) << 7 (normal from s = 0 to 128).
-_PTX_FOLDED_FACTOR_PAIR = """prmt.b32 t, $2, 0, {select};
-shl.b32 t, t, 7;
-add.u32 ${out}, t, 0x3F003F00;
-"""
-
-
-def _ptx_factor(scale: jax.Array, folded: bool = False) -> jax.Array:
-  """E8M0 bytes (uint8) -> 2^(s - 127) in bf16, `e8m0_bf16`'s values (folded: bytes at most 128
-  -> 2^(s - 1)), four bytes a call."""
-  template = _PTX_FOLDED_FACTOR_PAIR if folded else _PTX_FACTOR_PAIR
-  pairs = [template.format(select=select, out=out)
+def _ptx_factor(scale: jax.Array) -> jax.Array:
+  """E8M0 bytes (uint8) -> 2^(s - 127) in bf16, `e8m0_bf16`'s values, four bytes a call."""
+  pairs = [_PTX_FACTOR_PAIR.format(select=select, out=out)
            for out, select in enumerate(("0x4140", "0x4342"))]
   [out] = plgpu_triton.elementwise_inline_asm(
       "".join(["{\n.reg .b32 t, u;\n", *pairs, "}"]), args=[scale],
@@ -424,17 +404,14 @@ def _ptx_factor(scale: jax.Array, folded: bool = False) -> jax.Array:
   return out
 
 
-def dequantize(packed: jax.Array, scale: jax.Array, dequant: str, interpret: bool,
-               small_scales: bool = False) -> tuple[jax.Array, jax.Array]:
+def dequantize(packed: jax.Array, scale: jax.Array, dequant: str,
+               interpret: bool) -> tuple[jax.Array, jax.Array]:
   """packed [bn, nb, 16] uint8 and scale [bn, nb] uint8 -> (W's even columns, W's odd columns),
-  each [bn, nb * 16] bf16. small_scales (dequant "ptx1"): every scale byte is at most 128, so
-  one multiply a weight pair by 2^(s - 1) makes the bits' v * 2^-126 the value."""
+  each [bn, nb * 16] bf16."""
   bn, nb, _ = packed.shape
-  if dequant in ("ptx", "ptx1") and not interpret:
-    folded = dequant == "ptx1" and small_scales
-    factor = _ptx_factor(scale, folded)
-    factor = jnp.broadcast_to(factor[:, :, None], packed.shape)
-    lo, hi = (_ptx_values(packed, factor, high, folded) for high in (False, True))
+  if dequant == "ptx" and not interpret:
+    factor = jnp.broadcast_to(_ptx_factor(scale)[:, :, None], packed.shape)
+    lo, hi = (_ptx_values(packed, factor, high) for high in (False, True))
     return lo.reshape(bn, nb * HALF), hi.reshape(bn, nb * HALF)
   b = packed.astype(jnp.int16)
   s = lax.broadcast_in_dim(scale.astype(jnp.int16), (bn, nb, 1), (0, 1))
@@ -451,7 +428,7 @@ def dequantize(packed: jax.Array, scale: jax.Array, dequant: str, interpret: boo
 def values(packed: jax.Array, dequant: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
   """packed [bn, nb, 16] uint8 -> the E2M1 values of its low and high nibbles, unscaled, each
   [bn, nb, 16] bf16 (exact)."""
-  if dequant in ("ptx", "ptx1") and not interpret:
+  if dequant == "ptx" and not interpret:
     return tuple(_ptx_values(packed, None, high) for high in (False, True))
   b = packed.astype(jnp.int16)
   one = jnp.full(b.shape, 127, jnp.int16)                   # E8M0 of 1
@@ -497,7 +474,7 @@ def fp8_weights(packed: jax.Array, dequant: str, interpret: bool) -> jax.Array:
   """packed [bn, 16] uint8 (a block of 32 weights a row) -> W's block [bn, 32] as float8_e4m3fn,
   each weight times 2^-6 (exact), the low nibbles (W's even columns) then the high ones."""
   bn = packed.shape[0]
-  if dequant in ("ptx", "ptx1") and not interpret:
+  if dequant == "ptx" and not interpret:
     low, high = (plgpu_triton.elementwise_inline_asm(
         "{\n.reg .b32 a, b;\n" + _PTX_E4M3[h] + "or.b32 $0, a, b;\n}", args=[packed],
         constraints="=r,r", pack=4,
@@ -567,10 +544,10 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
                             mask=valid, other=0)
       return p_ref[group, pl.ds(n0, bn), blocks, :], s_ref[group, pl.ds(n0, bn), blocks], x
 
-    def step(kk, acc, small_scales=False):
+    def step(kk, acc):
       p, s, x = load(kk)
       x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
-      w_even, w_odd = dequantize(p, s, cfg.dequant, interpret, small_scales)
+      w_even, w_odd = dequantize(p, s, cfg.dequant, interpret)
       if cfg.swap:
         return acc + _dot_t(w_even, x_even) + _dot_t(w_odd, x_odd)
       return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
@@ -603,17 +580,8 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
                           jnp.zeros((bm, bn, nb), jnp.float32)).sum(axis=2)
     else:
       shape = (bn, bm) if cfg.swap else (bm, bn)
-      zeros = jnp.zeros(shape, jnp.float32)
-      if cfg.act == "mxfp8":
-        acc = lax.fori_loop(k_first, k_first + steps, fp8_step, zeros)
-      elif folded:
-        acc = lax.cond(
-            small_scales,
-            lambda: lax.fori_loop(k_first, k_first + steps,
-                                  functools.partial(step, small_scales=True), zeros),
-            lambda: lax.fori_loop(k_first, k_first + steps, step, zeros))
-      else:
-        acc = lax.fori_loop(k_first, k_first + steps, step, zeros)
+      acc = lax.fori_loop(k_first, k_first + steps, fp8_step if cfg.act == "mxfp8" else step,
+                          jnp.zeros(shape, jnp.float32))
       if cfg.swap:
         acc = acc.T
     tile = (pl.ds(r0, bm), pl.ds(n0, bn))
@@ -626,14 +594,6 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
       plgpu_triton.store(out_ref.at[tile], acc.astype(out_ref.dtype), mask=valid)
     return carry
 
-  folded = cfg.dequant == "ptx1" and not cfg.fma and cfg.act == "bf16" and not interpret
-  if folded:      # one pass over the program's scales: are they all at most 128?
-    def scale_max(kk, most):
-      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
-      return jnp.maximum(most, s_ref[group, pl.ds(n0, bn), blocks].astype(jnp.int32))
-
-    most = lax.fori_loop(k_first, k_first + steps, scale_max, jnp.zeros((bn, nb), jnp.int32))
-    small_scales = jnp.max(most.reshape(bn * nb)) <= 128
   lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
 
 

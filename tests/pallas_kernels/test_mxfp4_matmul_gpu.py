@@ -237,23 +237,6 @@ def test_triton_reads_every_code_and_scale_exactly(dequant, variant):
   np.testing.assert_array_equal(np.asarray(out), want)
 
 
-@pytest.mark.parametrize("block_k", [128, 256])
-def test_triton_ptx1_small_scales_exactly(block_k):
-  """dequant "ptx1" where every scale byte of a program is at most 128 (its one-multiply loop):
-  x = I gives W^T exactly for every code in both nibbles and the scales 0 (2^-127 times the
-  codes: bf16 subnormals), 1, 2, 64, 126, 127 and 128; one byte of 129 in another program's
-  rows (the two-multiply loop there) changes nothing."""
-  n, k = 128, 512
-  packed, _ = every_code(n, k, seed=6)
-  small = np.array([0, 1, 2, 64, 126, 127, 128], np.uint8)
-  scale = small[(np.arange(n)[:, None] * 3 + np.arange(k // 32)[None, :]) % len(small)]
-  scale[100, 3] = 129
-  cfg = triton.Config(block_n=64, block_k=block_k, dequant="ptx1")
-  out = triton.matmul(jnp.eye(k, dtype=jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale),
-                      preferred_element_type=jnp.float32, config=cfg)
-  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T.astype(np.float32))
-
-
 @pytest.mark.parametrize("dequant", triton.DEQUANTS)
 def test_triton_large_scales_overflow_and_nan(dequant):
   """Scales 253 / 254 with codes up to 1.5 (finite: exact), a lone 6 * 2^127 weight (+inf in
