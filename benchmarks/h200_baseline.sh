@@ -45,6 +45,8 @@
 #   bash benchmarks/h200_baseline.sh mxfp4_triton          # <= 9 min: the triton tier's GPU tests, it and
 #                                                          # its candidate configs at decoding rows
 #                                                          # (TRITON_CONFIGS: sets, a process each)
+#   bash benchmarks/h200_baseline.sh mxfp4_ncu             # ~2 min: Nsight Compute's counters of the
+#                                                          # MXFP4 kernels (grouped decoding shape)
 #   bash benchmarks/h200_baseline.sh mxfp4_xla             # <= 5 min: the MXFP4 xla tier vs bf16
 #                                                          # XLA, default flags and XLA's fused
 #                                                          # dequantization ($OUT/mxfp4_xla_*.json)
@@ -313,6 +315,19 @@ PY
           | tee -a $OUT/mxfp4_triton.log | grep -E "device|ms|triton|declined|Error"
       done
       ;;
+    mxfp4_ncu)
+      # Nsight Compute's counters of each MXFP4 kernel at the grouped decoding shape (16 rows
+      # over 8 experts, K 3584 -> N 3072; NCU_ARGS for another, benchmarks/mxfp4_ncu.py): speed
+      # of light, occupancy, scheduler and warp states, memory, one launch ($OUT/mxfp4_ncu_*.txt).
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for impl in ${NCU_IMPLS:-triton mosaic_gpu}; do
+        timeout ${NCU_S:-240} $ncu_bin --clock-control none -k "regex:mxfp4|mosaic" -s 2 -c 1 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats \
+          --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+          python3 -m benchmarks.mxfp4_ncu --impl=$impl ${NCU_ARGS:-} 2>&1 \
+          | tee $OUT/mxfp4_ncu_$impl.txt | grep -vE "^==PROF==|^I[0-9]{4}" | tail -90
+      done
+      ;;
     mxfp4_xla)
       # The MXFP4 xla tier (the weight in XLA's float4 / E8M0 types) against bf16 XLA, with the
       # default flags and with XLA's Triton GEMM fusion of a per-block dequantization.
@@ -423,7 +438,7 @@ PY
       ;;
     *)
       echo "unknown section $section (ceilings, gpu_tests, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
-        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_triton, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
+        moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_triton, mxfp4_ncu, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
         train_parts, train_trace)"; exit 2
       ;;
   esac

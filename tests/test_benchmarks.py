@@ -399,6 +399,14 @@ def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
                                                                "BRA": 1})
 
 
+def test_mxfp4_ncu_calls_the_grouped_and_the_dense_product():
+  """benchmarks.mxfp4_ncu (the program Nsight Compute profiles) on the reference tier, small
+  shapes, grouped and dense; in a subprocess (its flags' names are triton_sass's)."""
+  for groups in ("8", "1"):
+    run_module("benchmarks.mxfp4_ncu", "--impl=reference", "--k=512", "--n=256", "--calls=2",
+               f"--groups={groups}")
+
+
 def test_muon_ns_benchmark_times_orthogonalize_and_its_groups(tmp_path):
   out = tmp_path / "muon.json"
   run_module("benchmarks.muon_ns", "--toy", f"--out={out}")
