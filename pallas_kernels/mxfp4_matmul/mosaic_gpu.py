@@ -59,6 +59,11 @@ wgmma's rows past x_rows read stale SMEM into output rows that are never stored.
 Swapped operands (`Config.swap`, decode): the dequantized [block_n, 64] tile is wgmma's A from
 registers and x's x_rows rows its N side; acc [block_n, x_rows] is stored transposed
 (`ragged_dot.mosaic_gpu.store_transposed`). In the interpreter the tile goes through SMEM.
+With `Config.dequant="ptx"` each thread turns its 32-bit words of 8 nibbles (the UPCAST_4X
+load) into its WGMMA registers in inline PTX without relayout: register m of a word holds
+nibbles m and m + 4, which the same shift pair places in both bf16 halves, so the tile's
+columns come out permuted within each block of 32 and x is permuted alike before the kernel
+(`permute_x`, an XLA op on x's M x K elements).
 
 Split K: for few output tiles (decode) each tile's K steps are split over `split_k` units of
 work so that every SM streams weights; the units write fp32 partial products [split_k, M, N]
@@ -75,6 +80,7 @@ import functools
 import jax
 from jax import lax
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
 from jax._src.lib.mlir.dialects import memref
 from jax._src.lib.mlir.dialects import vector
 from jax.experimental import pallas as pl
@@ -85,9 +91,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mxfp4_matmul import reference
+from pallas_kernels.mxfp4_matmul import triton as mx_triton
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 BLOCK = 32                      # elements per E8M0 scale along K
+DEQUANTS = ("select", "shift", "ptx")
 BLOCK_K = 64                    # K elements per pipeline step (one 128-byte bf16 swizzle row)
 SCALE_ROW = 16                  # scale bytes per TMA row: the blocks of 8 steps
 K_MULTIPLE = BLOCK * SCALE_ROW  # 512
@@ -112,8 +120,9 @@ class Config:
   tiles ordered by `plgpu.planar_snake` along N in bands of grid_tile_width; the epilogue
   stores each warpgroup's tile in slices of epilogue_rows rows (None = block_m); x_rows: rows
   of x loaded per K step when all of x fits one row tile (None = block_m from each tile's
-  first row); dequant: "select" (E2M1 bits by compare and select) or "shift" (two integer ops
-  and a multiply by 2^126, module docstring). swap (needs x_rows, block_n = 64): the operands
+  first row); dequant: "select" (E2M1 bits by compare and select), "shift" (two integer ops
+  and a multiply by 2^126, module docstring) or "ptx" (with swap: "shift"'s numerics in inline
+  PTX on the packed words, x's columns permuted to match, `_dequantize_ptx`). swap (needs x_rows, block_n = 64): the operands
   swapped, the dequantized weight tile [64, 64] as wgmma's A straight from registers and x's
   x_rows rows as its N side (acc [64, x_rows] per warpgroup, stored transposed), instead of the
   weight tile through SMEM as B against a 64-row x tile of mostly padding."""
@@ -217,8 +226,10 @@ def _check_config(cfg: Config, m: int, k: int, n: int, out_dtype) -> str | None:
                                      and _round8(m) <= cfg.x_rows <= cfg.block_m):
     return (f"x_rows={cfg.x_rows} must be a multiple of 8 in [M rounded up to 8 = {_round8(m)}, "
             f"block_m = {cfg.block_m}]")
-  if cfg.dequant not in ("select", "shift"):
-    return f"dequant must be 'select' or 'shift', got {cfg.dequant!r}"
+  if cfg.dequant not in DEQUANTS:
+    return f"dequant must be one of {DEQUANTS}, got {cfg.dequant!r}"
+  if cfg.dequant == "ptx" and not cfg.swap:
+    return "dequant='ptx' makes wgmma's A operand in registers: it needs swap"
   if cfg.swap and (cfg.x_rows is None or cfg.block_n != 64):
     return f"swap needs x_rows (all of x in one row tile) and block_n = 64 (wgmma's M), got {cfg}"
   if smem_bytes(cfg, out_dtype) > SMEM_BYTES:
@@ -342,6 +353,74 @@ def _dequantize(p_ref, s_ref, scale_col, rows: int, dequant: str, interpret: boo
   return w * jnp.concatenate(scales, axis=1)
 
 
+# A scale byte ($1, as i32) -> its factor 2^(s - 127) as bf16x2 (both halves).
+_PTX_FACTOR = ("{\n.reg .b32 t, u;\nshl.b32 t, $1, 16;\nor.b32 t, t, $1;\n"
+               + mx_triton.E8M0_PAIR_PTX.format(out=0) + "}")
+
+# (shift of the magnitude bits, shift of the sign bit) that bring nibbles m and m + 4 of a word
+# (bits 4m and 4m + 16) to bf16 bits 8-6 and 15 of the low and high half (negative: right).
+_PTX_SHIFTS = ((6, 12), (2, 8), (-2, 4), (-6, 0))
+
+
+def _ptx_shift(dst: str, src: str, by: int) -> str:
+  if by == 0:
+    return f"mov.b32 {dst}, {src};\n"
+  return f"{'shl' if by > 0 else 'shr'}.b32 {dst}, {src}, {abs(by)};\n"
+
+
+# A word of 8 nibbles ($4) and its scale's factor ($5) -> 4 bf16x2 registers ($0-$3): register m
+# holds nibbles m and m + 4, their sign and magnitude bits moved into bf16 bit positions (the
+# value times 2^-126), times 2^126 and the factor.
+_PTX_WORD = "".join([
+    "{\n.reg .b32 a, b, c;\nmov.b32 c, 0x7E807E80;\n",
+    *(_ptx_shift("a", "$4", mag) + "and.b32 a, a, 0x01C001C0;\n" + _ptx_shift("b", "$4", sign)
+      + f"and.b32 b, b, 0x80008000;\nor.b32 a, a, b;\nmul.rn.bf16x2 a, a, c;\n"
+      f"mul.rn.bf16x2 ${m}, a, $5;\n" for m, (mag, sign) in enumerate(_PTX_SHIFTS)),
+    "}"])
+
+
+def permute_x(x: jax.Array) -> jax.Array:
+  """x [M, K] -> its columns in the order of `_dequantize_ptx`'s tile: in each block of 32, the
+  position 8 m + 2 t + e holds column 8 t + 4 e + m (m, t < 4, e < 2)."""
+  m, k = x.shape
+  return x.reshape(m, k // BLOCK, 4, 2, 4).transpose(0, 1, 4, 2, 3).reshape(m, k)
+
+
+def _dequantize_ptx(p_ref, s_ref, rows: int) -> jax.Array:
+  """bf16 [rows, 64] weight tile in the WGMMA layout, its columns in `permute_x`'s order, from
+  its packed bytes p_ref [rows, 32] and its two blocks' scales s_ref [rows, 2] (SMEM).
+
+  Each thread loads its words in the WGMMA_UPCAST_4X layout (8 consecutive nibbles of one row,
+  columns 8 t + j of a 32-column block for lane t = lane % 4, the WGMMA layout's rows) and makes
+  each word four WGMMA registers in inline PTX, register m (column group 4 c + m of block c)
+  holding nibbles m and m + 4: their bits need one shift pair for both halves, no permutes or
+  shuffles. Numerics of dequant "shift" (bits of v * 2^-126, times 2^126, times the scale)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((rows, BLOCK_K), jnp.bfloat16,
+                                                        layout=_WG))
+  def dequantize(_, pref, sref):
+    i32 = ir.IntegerType.get_signless(32)
+    int4_ty = ir.MemRefType.get((rows, BLOCK_K), ir.IntegerType.get_signless(4),
+                                memory_space=mgpu_utils.smem())
+    codes = mgpu_utils.ptr_as_memref(mgpu_utils.memref_ptr(pref), int4_ty)
+    words = mgpu.FragmentedArray.load_untiled(codes, layout=mgpu.WGMMA_LAYOUT_UPCAST_4X,
+                                              is_signed=True, optimized=False).registers
+    row_regs = np.asarray([row for (row,) in mgpu.WGMMA_ROW_LAYOUT.thread_idxs((rows,))],
+                          dtype=object).reshape(rows // 64, 2)
+    out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((rows, BLOCK_K)), dtype=object)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    for idx, word in np.ndenumerate(words):
+      tile, block, half = idx[0], idx[1], idx[4]
+      byte = memref.load(sref, [row_regs[tile, half], mgpu_utils.c(block, ir.IndexType.get())])
+      factor = mgpu_utils.inline_ptx(_PTX_FACTOR, arith.extui(i32, byte), result_types=i32)
+      regs = mgpu_utils.inline_ptx(_PTX_WORD, mgpu_utils.bitcast(word, i32), factor,
+                                   result_types=[i32] * 4)
+      for m, reg in enumerate(regs):
+        out[(tile, 4 * block + m, *idx[2:])] = mgpu_utils.bitcast(reg, pair)
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+  return dequantize(p_ref, s_ref)
+
+
 # ------------------------------------------------------------------------------------------
 # The kernel
 # ------------------------------------------------------------------------------------------
@@ -361,6 +440,7 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
   grid_n = n // (2 * bn)
   k_steps = k // BLOCK_K
   kernel_dtype = _kernel_out_dtype(cfg, out_dtype)
+  ptx = _ptx(cfg, interpret)
 
   def mxfp4_matmul_kernel(tiles_gmem, x_gmem, p_gmem, s_gmem, out_gmem):
     cta = lax.axis_index("sm")
@@ -437,8 +517,12 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
             def one_step(kk, step):
               slot, kb = lax.rem(step, stages), k0 + kk
               plgpu.barrier_wait(produced.at[slot])
-              w = _dequantize(p_s.at[slot, mine], s_s.at[slot, mine], lax.rem(kb, 8) * 2, bn,
-                              cfg.dequant, interpret)
+              if ptx:
+                w = _dequantize_ptx(p_s.at[slot, mine],
+                                    s_s.at[slot, mine, pl.ds(lax.rem(kb, 8) * 2, 2)], bn)
+              else:
+                w = _dequantize(p_s.at[slot, mine], s_s.at[slot, mine], lax.rem(kb, 8) * 2, bn,
+                                cfg.dequant, interpret)
               if interpret:
                 w_buf = w_s.at[wg, 0]
                 w_buf[...] = w
@@ -530,13 +614,20 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
   return kernel(tiles, x, w_packed, w_scale)
 
 
+def _ptx(cfg: Config, interpret: bool) -> bool:
+  """Whether the kernel dequantizes in inline PTX (dequant "ptx" off the interpreter, which
+  evaluates "select" with x in its own order)."""
+  return cfg.dequant == "ptx" and not interpret
+
+
 def _grouped(x, w_packed, w_scale, group_sizes, out_dtype, interpret: bool,
              cfg: Config | None) -> jax.Array:
   (m, k), (g, n) = x.shape, w_packed.shape[:2]
   if cfg is None:
     cfg = config(m, k, n, g, out_dtype, num_sms(interpret))
   rows = cfg.x_rows or max(_round8(m), cfg.block_m)
-  x_p = jnp.pad(x, ((0, rows - m), (0, 0))) if rows > m else x
+  x_p = permute_x(x) if _ptx(cfg, interpret) else x
+  x_p = jnp.pad(x_p, ((0, rows - m), (0, 0))) if rows > m else x_p
   ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
   sizes = jnp.diff(ends, prepend=0)
   sizes_ext = jnp.concatenate([sizes, (m - ends[-1])[None]])   # padding group: rows up to M

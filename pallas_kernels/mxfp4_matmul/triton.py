@@ -376,12 +376,11 @@ def _ptx_values(packed: jax.Array, factor: jax.Array | None, high: bool) -> jax.
   return out
 
 
-# Four E8M0 bytes ($2) -> their factors 2^(s - 127) as two bf16x2 registers ($0: bytes 0, 1; $1:
-# bytes 2, 3), `e8m0_bf16` without compares: a byte in each 16-bit half (prmt), its bits s << 7,
-# or'ed with 0x40 where all 8 bits of s are equal (s = 0: the subnormal 2^-127; s = 255: NaN
-# 0x7FC0): u = (t ^ (t >> 1)) & 0x7F is 0 exactly then, and u + 0x7F sets bit 7 exactly when not.
-_PTX_FACTOR_PAIR = """prmt.b32 t, $2, 0, {select};
-shr.b32 u, t, 1;
+# The E8M0 byte s in each 16-bit half of register t -> 2^(s - 127) as bf16x2 into ${out} (t, u
+# clobbered), `e8m0_bf16` without compares: s << 7, or'ed with 0x40 where all 8 bits of s are
+# equal (s = 0: the subnormal 2^-127; s = 255: NaN 0x7FC0): u = (t ^ (t >> 1)) & 0x7F is 0
+# exactly then, and u + 0x7F sets bit 7 exactly when not.
+E8M0_PAIR_PTX = """shr.b32 u, t, 1;
 xor.b32 u, u, t;
 and.b32 u, u, 0x007F007F;
 add.u32 u, u, 0x007F007F;
@@ -391,6 +390,9 @@ and.b32 u, u, 0x00400040;
 shl.b32 t, t, 7;
 or.b32 ${out}, t, u;
 """
+# Four E8M0 bytes ($2) -> their factors as two bf16x2 registers ($0: bytes 0, 1; $1: bytes 2, 3):
+# a byte in each 16-bit half (prmt), then `E8M0_PAIR_PTX`.
+_PTX_FACTOR_PAIR = "prmt.b32 t, $2, 0, {select};\n" + E8M0_PAIR_PTX
 
 
 def _ptx_factor(scale: jax.Array) -> jax.Array:

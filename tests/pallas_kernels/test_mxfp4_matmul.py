@@ -8,6 +8,7 @@ kernel's pipeline, wgmma and stores, but not its two `inline_mgpu` loads (int4 v
 packed bytes, scale column), which the CUDA lowering covers and the GPU tests run.
 """
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,52 @@ def test_shift_bits_are_the_values_times_2_to_the_minus_126():
   want = (np.asarray(NIBBLE, np.float64) * 2.0 ** -126).astype(ml_dtypes.bfloat16)
   np.testing.assert_array_equal(bits, want.view(np.uint16))
   assert list(bits[[1, 8, 9]]) == [0x0040, 0x8000, 0x8040]
+
+
+def test_ptx_word_shifts_and_x_permutation_agree():
+  """dequant="ptx"'s bit placement, emulated on words of 8 random nibbles with the kernel's
+  shift table (`_PTX_SHIFTS`) and masks: register m's halves are `e2m1_scaled_bits` of
+  nibbles m and m + 4; and `permute_x` puts column 8 t + 4 e + m of each block of 32 at
+  position 8 m + 2 t + e, the register's place in the WGMMA layout (lane t % 4 holds columns
+  8 g + 2 t + e of column group g = 4 c + m). Together: W's column order is x's."""
+  words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64)
+  shift = lambda w, by: (w << by if by >= 0 else w >> -by) & 0xFFFFFFFF
+  nibble = lambda j: jnp.asarray(((((words >> (4 * j)) & 15) ^ 8) - 8).astype(np.int16))
+  for m, (mag, sign) in enumerate(mosaic_gpu._PTX_SHIFTS):
+    bits = (shift(words, mag) & 0x01C001C0) | (shift(words, sign) & 0x80008000)
+    for half, j in ((0, m), (1, m + 4)):
+      want = np.asarray(mosaic_gpu.e2m1_scaled_bits(nibble(j))).view(np.uint16)
+      np.testing.assert_array_equal((bits >> (16 * half)) & 0xFFFF, want)
+  cols = np.asarray(mosaic_gpu.permute_x(jnp.arange(64, dtype=jnp.int32)[None]))[0]
+  for c, m, t, e in itertools.product(range(2), range(4), range(4), range(2)):
+    assert cols[32 * c + 8 * m + 2 * t + e] == 32 * c + 8 * t + 4 * e + m
+
+
+def run_ptx(text: str, regs: dict) -> dict:
+  """A few 32-bit integer PTX instructions (shl, shr, and, or, xor, not, add, mov) of `text`
+  run on `regs` (name -> uint32), its declarations and braces skipped."""
+  ops = {"shl": lambda a, b: a << b, "shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
+         "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b, "add": lambda a, b: a + b,
+         "not": lambda a: ~a, "mov": lambda a: a}
+  for line in text.replace(";", "\n").splitlines():
+    line = line.strip()
+    if not line or line[0] in "{}." or line.startswith(".reg"):
+      continue
+    op, args = line.split(None, 1)
+    dst, *srcs = [a.strip() for a in args.split(",")]
+    vals = [regs[a] if a in regs else int(a, 0) for a in srcs]
+    regs[dst] = ops[op.split(".")[0]](*vals) & 0xFFFFFFFF
+  return regs
+
+
+def test_ptx_e8m0_factor_is_e8m0_bf16_in_both_halves():
+  """dequant="ptx"'s scale factor (`mosaic_gpu._PTX_FACTOR`, which holds the Triton tier's
+  `E8M0_PAIR_PTX`), run instruction by instruction for the 256 scale bytes: both bf16 halves
+  are `e8m0_bf16`'s bits (0 -> the subnormal 2^-127, 255 -> NaN)."""
+  want = np.asarray(mosaic_gpu.e8m0_bf16(jnp.arange(256, dtype=jnp.int16))).view(np.uint16)
+  for s in range(256):
+    got = run_ptx(mosaic_gpu._PTX_FACTOR, {"$1": s})["$0"]
+    assert (got & 0xFFFF, got >> 16) == (want[s], want[s]), s
 
 
 def test_mosaic_gpu_reads_every_code_exactly():

@@ -155,35 +155,46 @@ def test_unpacked_tier_k3_shapes(m, k, n):
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL
 
 
-def swapped(m, k, n, groups, out_dtype):
-  """The default config at this shape with the operands swapped (x_rows: all of x's rows)."""
+def swapped(m, k, n, groups, out_dtype, **changes):
+  """The default config at this shape with the operands swapped (x_rows: all of x's rows), and
+  `changes`."""
   cfg = mosaic_gpu.config(m, k, n, groups, out_dtype, mosaic_gpu.num_sms(False))
-  return dataclasses.replace(cfg, swap=True, x_rows=cfg.x_rows or -(-m // 8) * 8)
+  return dataclasses.replace(cfg, swap=True, x_rows=cfg.x_rows or -(-m // 8) * 8, **changes)
 
 
+@pytest.mark.parametrize("dequant", ["shift", "ptx"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_swapped_reads_every_code_and_scale_exactly(m):
+def test_swapped_reads_every_code_and_scale_exactly(m, dequant):
   """swap (the dequantized tile as wgmma's register operand, the tile stored transposed by
-  inline Mosaic GPU): x = rows of I, out = W^T exactly."""
+  inline Mosaic GPU): x = rows of I, out = W^T exactly; "ptx" (x's columns permuted to its
+  tile's order) with every code and the scale edges too (0: subnormal products; 255: NaN)."""
   n, k = 256, 512
   packed, scale = every_code(n, k, seed=m + 2)
   x = jnp.eye(m, k, dtype=jnp.bfloat16)
-  out = mosaic_gpu.matmul(x, jnp.asarray(packed), jnp.asarray(scale),
-                          preferred_element_type=jnp.float32,
-                          config=swapped(m, k, n, 1, jnp.float32))
-  np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:m])
+  run = lambda p, s: np.asarray(mosaic_gpu.matmul(
+      x, jnp.asarray(p), jnp.asarray(s), preferred_element_type=jnp.float32,
+      config=swapped(m, k, n, 1, jnp.float32, dequant=dequant)))
+  np.testing.assert_array_equal(run(packed, scale), dequantize(packed, scale).T[:m])
+  if dequant == "ptx":
+    scale = edge_scales(n, k)
+    scale[7, 2] = 255
+    out, want = run(packed, scale), dequantize(packed, scale).T[:m]
+    assert np.isnan(out[:, 7]).all() and np.isnan(want[:, 7]).all()
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_swapped_k3_shapes(m, k, n):
+@pytest.mark.parametrize("changes", [{}, dict(dequant="ptx"), dict(dequant="ptx", split_k=2)],
+                         ids=["shift", "ptx", "ptx_split2"])
+def test_swapped_k3_shapes(m, k, n, changes):
   """swap at the K3 shapes, dense (fp32 from split K, and bf16) and, where all rows fit one
   tile, over 8 experts (an empty expert, rows past the groups)."""
   x, packed, scale = make(m, k, n, 1, seed=m + k + 1)
   ref = reference.matmul(x, packed[0], scale[0], preferred_element_type=jnp.float32)
   for out_dtype, tol in ((jnp.float32, F32_TOL), (jnp.bfloat16, BF16_TOL)):
     out = jax.jit(lambda a, p, s, dt=out_dtype: mosaic_gpu.matmul(
-        a, p, s, preferred_element_type=dt, config=swapped(m, k, n, 1, dt)))(
+        a, p, s, preferred_element_type=dt, config=swapped(m, k, n, 1, dt, **changes)))(
             x, packed[0], scale[0])
     assert out.dtype == out_dtype and rel_err(out, ref) < tol
   if m + 5 > mosaic_gpu.SMALL_M:
@@ -194,7 +205,7 @@ def test_swapped_k3_shapes(m, k, n):
   ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
   out = jax.jit(lambda a, p, s, g: mosaic_gpu.ragged_dot(
       a, p, s, g, preferred_element_type=jnp.float32,
-      config=swapped(m + 5, k, n, 8, jnp.float32)))(x, packed, scale, gs)
+      config=swapped(m + 5, k, n, 8, jnp.float32, **changes)))(x, packed, scale, gs)
   assert rel_err(out, ref) < F32_TOL
   np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
 
