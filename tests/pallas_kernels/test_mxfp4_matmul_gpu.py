@@ -167,7 +167,8 @@ def swapped(m, k, n, groups, out_dtype, **changes):
 def test_swapped_reads_every_code_and_scale_exactly(m, dequant):
   """swap (the dequantized tile as wgmma's register operand, the tile stored transposed by
   inline Mosaic GPU): x = rows of I, out = W^T exactly; "ptx" (x's columns permuted to its
-  tile's order) with every code and the scale edges too (0: subnormal products; 255: NaN)."""
+  tile's order) with every code and the scale edges too (0: subnormal products), and a NaN
+  scale byte: a NaN column (0 x NaN in x = I's zeros), the others exact."""
   n, k = 256, 512
   packed, scale = every_code(n, k, seed=m + 2)
   x = jnp.eye(m, k, dtype=jnp.bfloat16)
@@ -179,8 +180,8 @@ def test_swapped_reads_every_code_and_scale_exactly(m, dequant):
     scale = edge_scales(n, k)
     scale[7, 2] = 255
     out, want = run(packed, scale), dequantize(packed, scale).T[:m]
-    assert np.isnan(out[:, 7]).all() and np.isnan(want[:, 7]).all()
-    np.testing.assert_array_equal(out, want)
+    assert np.isnan(out[:, 7]).all()
+    np.testing.assert_array_equal(np.delete(out, 7, axis=1), np.delete(want, 7, axis=1))
 
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
