@@ -37,8 +37,9 @@ Dequantization on chip:
   value times 2^-126 (E2M1's subnormal 0.5 lands on the bf16 subnormal 2^-127: the same
   exponent field 0), then one bf16 multiply by 2^126 before the scale's. Exact where bf16
   products keep subnormal inputs (the GPU's bf16 multiply; XLA:CPU flushes them, so the
-  interpreter evaluates "select": the same values). "shift" is the default: 1.2-1.5x faster
-  than "select" at every K3 shape on the H200 (2026-12-02). The scale bytes of a block are loaded per row in the WGMMA row
+  interpreter evaluates "select": the same values). "shift" is the default of unswapped tiles:
+  1.2-1.5x faster than "select" at every K3 shape on the H200 (2026-12-02); swapped tiles take
+  "ptx" (below). The scale bytes of a block are loaded per row in the WGMMA row
      layout (`_load_scale_column`, inline Mosaic GPU: one SMEM byte load per register; Pallas'
      strided SMEM loads refuse a column of a byte tile) and broadcast along the block's 32
      columns.
@@ -140,6 +141,10 @@ class Config:
 # config() swaps the operands when x has fewer rows than a tile (its GPU tests pass on the H200,
 # 2026-12-02; 1.1-1.2x the unswapped kernel at 1-16 rows, BENCHMARKS.md "MXFP4 matmul").
 SWAP_IS_DEFAULT = True
+# Swapped tiles dequantize in inline PTX (`_dequantize_ptx`; its GPU tests pass on an H100,
+# 2026-12-06: every code and scale edge exact; 1.3-1.6x "shift" at 1-64 rows, dense and over 8
+# experts, BENCHMARKS.md "MXFP4 matmul").
+PTX_IS_DEFAULT = True
 
 
 def is_hopper() -> bool:
@@ -179,7 +184,8 @@ def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int,
   weight bytes in flight bound a memory-bound product). Larger m: 256 x 2*64 tiles for one
   group (a dequantized weight tile serves 256 rows), 128 x 2*128 for several (group-aligned
   tiles waste about half a tile per group), 3 stages. x_rows = m rounded up to 8 when that is
-  below block_m (each K step loads those rows only); then, with `swap`, the operands swapped.
+  below block_m (each K step loads those rows only); then, with `swap`, the operands swapped
+  (and dequant "ptx" while PTX_IS_DEFAULT).
   """
   if m == 0:
     return "M=0: no rows"
@@ -195,7 +201,9 @@ def config(m: int, k: int, n: int, groups: int, out_dtype, sms: int,
   if n % (2 * cfg.block_n):
     return f"N={n} is not a multiple of the CTA tile 2 * block_n = {2 * cfg.block_n}"
   if _round8(m) < cfg.block_m:
-    cfg = dataclasses.replace(cfg, x_rows=_round8(m), swap=swap and m <= SMALL_M)
+    swapped = swap and m <= SMALL_M
+    cfg = dataclasses.replace(cfg, x_rows=_round8(m), swap=swapped,
+                              dequant="ptx" if swapped and PTX_IS_DEFAULT else cfg.dequant)
   if m <= SMALL_M:
     row_tiles = min(groups, m) if groups > 1 else 1
     units = row_tiles * n // (2 * cfg.block_n)

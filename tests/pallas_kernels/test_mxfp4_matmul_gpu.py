@@ -186,7 +186,8 @@ def test_swapped_reads_every_code_and_scale_exactly(m, dequant):
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("changes", [{}, dict(dequant="ptx"), dict(dequant="ptx", split_k=2)],
+@pytest.mark.parametrize("changes", [dict(dequant="shift"), dict(dequant="ptx"),
+                                     dict(dequant="ptx", split_k=2)],
                          ids=["shift", "ptx", "ptx_split2"])
 def test_swapped_k3_shapes(m, k, n, changes):
   """swap at the K3 shapes, dense (fp32 from split K, and bf16) and, where all rows fit one
