@@ -45,8 +45,9 @@
 #   bash benchmarks/h200_baseline.sh mxfp4_triton          # <= 9 min: the triton tier's GPU tests, it and
 #                                                          # its candidate configs at decoding rows
 #                                                          # (TRITON_CONFIGS: sets, a process each)
-#   bash benchmarks/h200_baseline.sh mxfp4_ncu             # ~2 min: Nsight Compute's counters of the
-#                                                          # MXFP4 kernels (grouped decoding shape)
+#   bash benchmarks/h200_baseline.sh mxfp4_ncu             # ~2 min: Nsight Compute's counters
+#                                                          # of the MXFP4 kernels (grouped
+#                                                          # decoding shape)
 #   bash benchmarks/h200_baseline.sh mxfp4_xla             # <= 5 min: the MXFP4 xla tier vs bf16
 #                                                          # XLA, default flags and XLA's fused
 #                                                          # dequantization ($OUT/mxfp4_xla_*.json)
