@@ -124,9 +124,10 @@ class Config:
   first row); dequant: "select" (E2M1 bits by compare and select), "shift" (two integer ops
   and a multiply by 2^126, module docstring) or "ptx" (with swap: "shift"'s numerics in inline
   PTX on the packed words, x's columns permuted to match, `_dequantize_ptx`). swap (needs
-  x_rows, block_n = 64): the operands swapped, the dequantized weight tile [64, 64] as wgmma's A straight from registers and x's
-  x_rows rows as its N side (acc [64, x_rows] per warpgroup, stored transposed), instead of the
-  weight tile through SMEM as B against a 64-row x tile of mostly padding."""
+  x_rows, block_n = 64): the operands swapped, the dequantized weight tile [64, 64] as wgmma's
+  A straight from registers and x's x_rows rows as its N side (acc [64, x_rows] per
+  warpgroup, stored transposed), instead of the weight tile through SMEM as B against a 64-row
+  x tile of mostly padding."""
   block_m: int = 128
   block_n: int = 128
   stages: int = 3
