@@ -74,7 +74,8 @@ _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, our kernel 
                          "GPU interpreter (CPU), wall-clock time.")
 VARIANTS = {"unswapped": {}, "full_x": dict(x_rows=None), "select": dict(dequant="select"),
             "swap": dict(swap=True), "ptx": dict(swap=True, dequant="ptx"),
-            "ptx_split2": dict(swap=True, dequant="ptx", split_k=2)}
+            "ptx_split2": dict(swap=True, dequant="ptx", split_k=2),
+            "ptx_overlap": dict(swap=True, dequant="ptx", overlap=True)}
 _IMPLEMENTATIONS = flags.DEFINE_list(
     "implementations", [], "Rows to run (default: all); mxfp4_reference always runs, the "
     "others' error is taken against it.")

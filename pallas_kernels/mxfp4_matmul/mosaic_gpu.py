@@ -127,7 +127,9 @@ class Config:
   x_rows, block_n = 64): the operands swapped, the dequantized weight tile [64, 64] as wgmma's
   A straight from registers and x's x_rows rows as its N side (acc [64, x_rows] per
   warpgroup, stored transposed), instead of the weight tile through SMEM as B against a 64-row
-  x tile of mostly padding."""
+  x tile of mostly padding. overlap (with swap): each step's wgmma issued on the tile made
+  during the previous step's, the next tile made before waiting for it (a candidate, not yet
+  measured on a GPU)."""
   block_m: int = 128
   block_n: int = 128
   stages: int = 3
@@ -137,6 +139,7 @@ class Config:
   x_rows: int | None = None
   dequant: str = "shift"
   swap: bool = False
+  overlap: bool = False
 
 
 # config() swaps the operands when x has fewer rows than a tile (its GPU tests pass on the H200,
@@ -239,6 +242,8 @@ def _check_config(cfg: Config, m: int, k: int, n: int, out_dtype) -> str | None:
     return f"dequant must be one of {DEQUANTS}, got {cfg.dequant!r}"
   if cfg.dequant == "ptx" and not cfg.swap:
     return "dequant='ptx' makes wgmma's A operand in registers: it needs swap"
+  if cfg.overlap and not cfg.swap:
+    return "overlap carries wgmma's A operand in registers from step to step: it needs swap"
   if cfg.swap and (cfg.x_rows is None or cfg.block_n != 64):
     return f"swap needs x_rows (all of x in one row tile) and block_n = 64 (wgmma's M), got {cfg}"
   if smem_bytes(cfg, out_dtype) > SMEM_BYTES:
@@ -523,27 +528,56 @@ def _kernel(tiles, x, w_packed, w_scale, *, cfg: Config, num_ctas: int, out_dtyp
           def run_swapped(acc_ref):
             """acc [bn, x_rows] = W tile^T x^T: the dequantized tile is wgmma's A from registers
             (through SMEM in the interpreter, whose wgmma takes refs only)."""
-            def one_step(kk, step):
-              slot, kb = lax.rem(step, stages), k0 + kk
-              plgpu.barrier_wait(produced.at[slot])
+            def dequantize(step, kb):
+              """The weight tile of the slot of `step` (K step kb)."""
+              slot = lax.rem(step, stages)
               if ptx:
-                w = _dequantize_ptx(p_s.at[slot, mine],
-                                    s_s.at[slot, mine, pl.ds(lax.rem(kb, 8) * 2, 2)], bn)
-              else:
-                w = _dequantize(p_s.at[slot, mine], s_s.at[slot, mine], lax.rem(kb, 8) * 2, bn,
-                                cfg.dequant, interpret)
+                return _dequantize_ptx(p_s.at[slot, mine],
+                                       s_s.at[slot, mine, pl.ds(lax.rem(kb, 8) * 2, 2)], bn)
+              w = _dequantize(p_s.at[slot, mine], s_s.at[slot, mine], lax.rem(kb, 8) * 2, bn,
+                              cfg.dequant, interpret)
+              return w if interpret else plgpu.layout_cast(w, _WG)
+
+            def product(w, slot):
               if interpret:
                 w_buf = w_s.at[wg, 0]
                 w_buf[...] = w
                 plgpu.commit_smem()
                 plgpu.wgmma(acc_ref, w_buf, x_s.at[slot].T)
               else:
-                plgpu.wgmma(acc_ref, plgpu.layout_cast(w, _WG), x_s.at[slot].T)
+                plgpu.wgmma(acc_ref, w, x_s.at[slot].T)
+
+            def one_step(kk, step):
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(produced.at[slot])
+              product(dequantize(step, k0 + kk), slot)
               plgpu.wgmma_wait(0)       # its registers and slot are free once it is done
               release(step)
               return step + 1
 
-            end = lax.fori_loop(0, steps, one_step, step)
+            def overlapped_step(kk, carry):
+              """Step kk's product from the tile made during step kk - 1's, then step kk + 1's
+              tile made while it runs (on the last step from a slot not waited for: unused)."""
+              step, w = carry
+              product(w, lax.rem(step, stages))
+
+              @pl.when(kk + 1 < steps)
+              def _():
+                plgpu.barrier_wait(produced.at[lax.rem(step + 1, stages)])
+
+              w_next = dequantize(step + 1, k0 + kk + 1)
+              plgpu.wgmma_wait(0)
+              release(step)
+              return step + 1, w_next
+
+            if cfg.overlap:
+              @pl.when(steps > 0)
+              def _():
+                plgpu.barrier_wait(produced.at[lax.rem(step, stages)])
+
+              end, _ = lax.fori_loop(0, steps, overlapped_step, (step, dequantize(step, k0)))
+            else:
+              end = lax.fori_loop(0, steps, one_step, step)
             o_smem = o_s.at[wg]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             ragged_mosaic_gpu.store_transposed(acc_ref[...].astype(kernel_dtype), o_smem,

@@ -273,6 +273,13 @@ RAGGED_CASES = {
     # swapped without split K: the kernel stores the rows of each group directly
     "swap_whole_k": (16, (3, 0, 12, 1), mosaic_gpu.Config(block_m=64, block_n=64, stages=3,
                                                           x_rows=16, swap=True)),
+    # each step's product on the tile made during the previous one (`overlap`), split and whole
+    # K: several units a CTA, the padding group's units without steps
+    "swap_overlap": (24, (10, 1, 9, 0), mosaic_gpu.Config(block_m=64, block_n=64, stages=2,
+                                                          split_k=2, x_rows=24, swap=True,
+                                                          overlap=True)),
+    "swap_overlap_whole_k": (16, (3, 0, 12, 1), mosaic_gpu.Config(
+        block_m=64, block_n=64, stages=3, x_rows=16, swap=True, overlap=True)),
 }
 
 
@@ -480,16 +487,19 @@ def test_swapped_reads_every_code_exactly():
   np.testing.assert_array_equal(np.asarray(out), dequantize(packed, scale).T[:8])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("m, k, n, g", [(1, 3584, 3072, 1), (16, 3584, 3072, 8)])
-def test_swapped_kernel_lowers_for_hopper(monkeypatch, m, k, n, g):
-  """swap at the K3 decode shapes: the dequantized tile as wgmma's register operand and the
-  transposed epilogue (GPU-only paths: the interpreter goes through SMEM and jnp) lower for
-  CUDA; SWAP_IS_DEFAULT makes config() choose it there."""
+def test_swapped_kernel_lowers_for_hopper(monkeypatch, m, k, n, g, overlap):
+  """swap at the K3 decode shapes: the dequantized tile as wgmma's register operand, made in
+  inline PTX (`_dequantize_ptx`), and the transposed epilogue (GPU-only paths: the interpreter
+  goes through SMEM and jnp) lower for CUDA, with `overlap` too; SWAP_IS_DEFAULT and
+  PTX_IS_DEFAULT make config() choose them there."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
   monkeypatch.setattr(mosaic_gpu, "SWAP_IS_DEFAULT", True)
-  cfg = mosaic_gpu.config(m, k, n, g, jnp.bfloat16, 132)
-  assert cfg.swap and mosaic_gpu.smem_bytes(cfg, jnp.bfloat16) <= mosaic_gpu.SMEM_BYTES, cfg
+  cfg = dataclasses.replace(mosaic_gpu.config(m, k, n, g, jnp.bfloat16, 132), overlap=overlap)
+  assert cfg.swap and cfg.dequant == "ptx", cfg
+  assert mosaic_gpu.smem_bytes(cfg, jnp.bfloat16) <= mosaic_gpu.SMEM_BYTES, cfg
   s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
   lead = (g,) if g > 1 else ()
   args = [s(m, k), s(*lead, n, k // 2, dtype=jnp.uint8), s(*lead, n, k // 32, dtype=jnp.uint8)]
@@ -507,7 +517,9 @@ def test_bad_configs_are_refused():
   for cfg, reason in ((mosaic_gpu.Config(block_m=64, block_n=64, x_rows=16), "x_rows=16"),
                       (mosaic_gpu.Config(block_m=64, block_n=64, x_rows=72), "x_rows=72"),
                       (mosaic_gpu.Config(block_m=64, block_n=64, dequant="lut"), "dequant"),
-                      (mosaic_gpu.Config(block_m=64, block_n=64, swap=True), "swap needs")):
+                      (mosaic_gpu.Config(block_m=64, block_n=64, swap=True), "swap needs"),
+                      (mosaic_gpu.Config(block_m=64, block_n=64, overlap=True), "overlap"),
+                      (mosaic_gpu.Config(block_m=64, block_n=64, dequant="ptx"), "ptx")):
     got = mosaic_gpu.supports_matmul(x, packed, scale, interpret=True, config=cfg)
     assert got is not None and reason in got, got
 

@@ -162,21 +162,25 @@ def swapped(m, k, n, groups, out_dtype, **changes):
   return dataclasses.replace(cfg, swap=True, x_rows=cfg.x_rows or -(-m // 8) * 8, **changes)
 
 
-@pytest.mark.parametrize("dequant", ["shift", "ptx"])
+SWAPPED_VARIANTS = {"shift": dict(dequant="shift"), "ptx": dict(dequant="ptx"),
+                    "ptx_overlap": dict(dequant="ptx", overlap=True)}
+
+
+@pytest.mark.parametrize("variant", SWAPPED_VARIANTS)
 @pytest.mark.parametrize("m", [1, 16])
-def test_swapped_reads_every_code_and_scale_exactly(m, dequant):
+def test_swapped_reads_every_code_and_scale_exactly(m, variant):
   """swap (the dequantized tile as wgmma's register operand, the tile stored transposed by
   inline Mosaic GPU): x = rows of I, out = W^T exactly; "ptx" (x's columns permuted to its
-  tile's order) with every code and the scale edges too (0: subnormal products), and a NaN
-  scale byte: a NaN column (0 x NaN in x = I's zeros), the others exact."""
+  tile's order; also with `overlap`) with every code and the scale edges too (0: subnormal
+  products), and a NaN scale byte: a NaN column (0 x NaN in x = I's zeros), the others exact."""
   n, k = 256, 512
   packed, scale = every_code(n, k, seed=m + 2)
   x = jnp.eye(m, k, dtype=jnp.bfloat16)
   run = lambda p, s: np.asarray(mosaic_gpu.matmul(
       x, jnp.asarray(p), jnp.asarray(s), preferred_element_type=jnp.float32,
-      config=swapped(m, k, n, 1, jnp.float32, dequant=dequant)))
+      config=swapped(m, k, n, 1, jnp.float32, **SWAPPED_VARIANTS[variant])))
   np.testing.assert_array_equal(run(packed, scale), dequantize(packed, scale).T[:m])
-  if dequant == "ptx":
+  if variant != "shift":
     scale = edge_scales(n, k)
     scale[7, 2] = 255
     out, want = run(packed, scale), dequantize(packed, scale).T[:m]
@@ -186,9 +190,8 @@ def test_swapped_reads_every_code_and_scale_exactly(m, dequant):
 
 @pytest.mark.parametrize("k, n", K3_SHAPES)
 @pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("changes", [dict(dequant="shift"), dict(dequant="ptx"),
-                                     dict(dequant="ptx", split_k=2)],
-                         ids=["shift", "ptx", "ptx_split2"])
+@pytest.mark.parametrize("changes", [*SWAPPED_VARIANTS.values(), dict(dequant="ptx", split_k=2)],
+                         ids=[*SWAPPED_VARIANTS, "ptx_split2"])
 def test_swapped_k3_shapes(m, k, n, changes):
   """swap at the K3 shapes, dense (fp32 from split K, and bf16) and, where all rows fit one
   tile, over 8 experts (an empty expert, rows past the groups)."""
