@@ -334,13 +334,6 @@ def e2m1_scaled_bits(codes: jax.Array) -> jax.Array:
   return (codes << 6) & jnp.int16(0x81C0 - 0x10000)
 
 
-def e8m0_bf16(scale: jax.Array) -> jax.Array:
-  """E8M0 bytes (as int16) -> 2^(s - 127) in bf16 (0 -> the subnormal 2^-127, 255 -> NaN)."""
-  bits = jnp.where(scale == 255, jnp.int16(0x7FC0),
-                   jnp.where(scale == 0, jnp.int16(0x0040), scale << 7))
-  return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
-
-
 def _dequantize(p_ref, s_ref, scale_col, rows: int, dequant: str, interpret: bool) -> jax.Array:
   """bf16 [rows, 64] weight tile (WGMMA layout) from its packed bytes p_ref [rows, 32] and the
   scale tile s_ref [rows, 16], whose columns scale_col, scale_col + 1 hold its two blocks;
@@ -363,7 +356,8 @@ def _dequantize(p_ref, s_ref, scale_col, rows: int, dequant: str, interpret: boo
       s = s_ref[:, scale_col + j]
     else:
       s = _load_scale_column(s_ref.at[:, pl.ds(scale_col + j, 1)], rows)
-    scales.append(lax.broadcast_in_dim(e8m0_bf16(s.astype(jnp.int16)), (rows, BLOCK), [0]))
+    scales.append(lax.broadcast_in_dim(mx_triton.e8m0_bf16(s.astype(jnp.int16)), (rows, BLOCK),
+                                      [0]))
   return w * jnp.concatenate(scales, axis=1)
 
 

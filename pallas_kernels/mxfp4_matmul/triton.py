@@ -339,7 +339,9 @@ def shift_bits(shifted: jax.Array) -> jax.Array:
 
 def e8m0_bf16(scale: jax.Array) -> jax.Array:
   """E8M0 bytes (as int16) -> 2^(s - 127) in bf16 (0 -> the subnormal 2^-127, 255 -> NaN)."""
-  return _bf16(jnp.where(scale == 255, 0x7FC0, jnp.where(scale == 0, 0x0040, scale << 7)))
+  bits = jnp.where(scale == 255, jnp.int16(0x7FC0),
+                   jnp.where(scale == 0, jnp.int16(0x0040), scale << 7))
+  return _bf16(bits)
 
 
 # Four packed bytes ($2) and their scale's bf16x2 ($3, $4, equal) -> the values of one nibble of

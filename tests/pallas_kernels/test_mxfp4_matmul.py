@@ -165,7 +165,7 @@ def test_kernel_bit_formulas_cover_every_code_and_scale():
   want = np.asarray(jnp.asarray(NIBBLE, jnp.bfloat16).view(jnp.uint16))
   np.testing.assert_array_equal(bits, want)
   scale = np.asarray(jax.lax.bitcast_convert_type(
-      mosaic_gpu.e8m0_bf16(jnp.arange(256, dtype=jnp.int16)), jnp.uint16))
+      triton.e8m0_bf16(jnp.arange(256, dtype=jnp.int16)), jnp.uint16))
   want = np.asarray(jnp.asarray(2.0 ** (np.arange(1, 255) - 127.0), jnp.bfloat16)
                     .view(jnp.uint16))
   np.testing.assert_array_equal(scale[1:255], want)
@@ -222,8 +222,8 @@ def run_ptx(text: str, regs: dict) -> dict:
 def test_ptx_e8m0_factor_is_e8m0_bf16_in_both_halves():
   """dequant="ptx"'s scale factor (`mosaic_gpu._PTX_FACTOR`, which holds the Triton tier's
   `E8M0_PAIR_PTX`), run instruction by instruction for the 256 scale bytes: both bf16 halves
-  are `e8m0_bf16`'s bits (0 -> the subnormal 2^-127, 255 -> NaN)."""
-  want = np.asarray(mosaic_gpu.e8m0_bf16(jnp.arange(256, dtype=jnp.int16))).view(np.uint16)
+  are `triton.e8m0_bf16`'s bits (0 -> the subnormal 2^-127, 255 -> NaN)."""
+  want = np.asarray(triton.e8m0_bf16(jnp.arange(256, dtype=jnp.int16))).view(np.uint16)
   for s in range(256):
     got = run_ptx(mosaic_gpu._PTX_FACTOR, {"$1": s})["$0"]
     assert (got & 0xFFFF, got >> 16) == (want[s], want[s]), s
