@@ -139,7 +139,9 @@ class Config:
   products on the CUDA cores instead of the MMA (module docstring; block_m and block_n from 1);
   act: "bf16" (x as given, bf16 MMAs) or "mxfp8" (x quantized to MXFP8, fp8 MMAs per block of
   32, wgmma on Hopper with swap and block_n >= 64; dequant "ptx" converts the nibbles in inline
-  PTX, "exp" and "shift" with the same shifts on bytes)."""
+  PTX, "exp" and "shift" with the same shifts on bytes); unroll: the program's K steps written
+  out one after another (no loop, so no software pipeline: every step's loads are independent
+  and ptxas may issue them all before the first product) instead of a pipelined loop."""
   block_n: int = 16
   block_k: int = 512
   block_m: int = 16
@@ -150,6 +152,7 @@ class Config:
   split_k: int = 1
   fma: bool = False
   act: str = "bf16"
+  unroll: bool = False
 
 
 # Candidates for the benchmark sweep (`benchmarks/mxfp4_matmul.py --triton_configs`); block_k
@@ -189,6 +192,13 @@ CONFIGS = {
     "swap64_fp8_k256_s16_st1": Config(block_n=64, block_k=256, dequant="ptx", swap=True,
                                       split_k=16, num_stages=1, act="mxfp8"),
     "n32_fp8": Config(block_n=32, dequant="ptx", act="mxfp8"),
+    # fma with the K steps unrolled, every weight load issued before the first product (sm_90a
+    # SASS: all LDGs of the program first; 96 / 176 registers). The MMA tiles unrolled so
+    # spill (the loads of 7 steps of [16+, 256] bytes held at once).
+    "fma_n4_w2_unroll": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True,
+                               unroll=True),
+    "fma_n8_w2_unroll": Config(block_n=8, block_m=1, num_warps=2, dequant="ptx", fma=True,
+                               unroll=True),
 }
 
 
@@ -251,6 +261,8 @@ def check_config(cfg: Config, k: int, n: int) -> str | None:
     return f"act must be one of {ACTS}, got {cfg.act!r}"
   if cfg.fma and cfg.act == "mxfp8":
     return "act='mxfp8' feeds fp8 MMAs; fma has no MMA"
+  if cfg.unroll and cfg.act == "mxfp8":
+    return "unroll loads whole K steps first; act='mxfp8' loads x block by block"
   if k % cfg.block_k:
     return f"K={k} is not a multiple of block_k={cfg.block_k}"
   if cfg.split_k < 1 or (k // cfg.block_k) % cfg.split_k:
@@ -525,6 +537,11 @@ def _fp8_dot_lowering(ctx, a, b):
   return tt_dialect.dot(a, tt_dialect.trans(b, (1, 0)), acc, max_num_imprecise_acc=BLOCK)
 
 
+def _aligned(offset, multiple: int):
+  """`pl.multiple_of` of a traced offset; an unrolled step's offset may be a Python int."""
+  return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
 def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Config,
           interpret: bool):
   """out[first:end, n0:n0 + bn] = x[first:end] @ W_group[n0:n0 + bn]^T, in row blocks of
@@ -543,13 +560,13 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
 
     def load(kk):
       """K step kk's packed tile [bn, nb, 16] and scales [bn, nb] (uint8), x's rows [bm, bk]."""
-      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
-      x = plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(pl.multiple_of(kk * bk, bk), bk)],
+      blocks = pl.ds(_aligned(kk * nb, nb), nb)
+      x = plgpu_triton.load(x_ref.at[pl.ds(r0, bm), pl.ds(_aligned(kk * bk, bk), bk)],
                             mask=valid, other=0)
       return p_ref[group, pl.ds(n0, bn), blocks, :], s_ref[group, pl.ds(n0, bn), blocks], x
 
-    def step(kk, acc):
-      p, s, x = load(kk)
+    def step(kk, acc, tiles=None):
+      p, s, x = tiles or load(kk)
       x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
       w_even, w_odd = dequantize(p, s, cfg.dequant, interpret)
       if cfg.swap:
@@ -557,8 +574,8 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
       return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
 
     def fp8_step(kk, acc):
-      k0 = pl.multiple_of(kk * bk, bk)
-      blocks = pl.ds(pl.multiple_of(kk * nb, nb), nb)
+      k0 = _aligned(kk * bk, bk)
+      blocks = pl.ds(_aligned(kk * nb, nb), nb)
       fw = _columns(e8m0_f32(s_ref[group, pl.ds(n0, bn), blocks]))
       fx = _columns(plgpu_triton.load(xs_ref.at[pl.ds(r0, bm), blocks], mask=valid, other=0))
       for b in range(nb):
@@ -572,20 +589,26 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
           acc += _fp8_dot_p.bind(x, w) * fx[b][:, None] * fw[b][None, :]
       return acc
 
-    def fma_step(kk, acc):
-      p, s, x = load(kk)
+    def fma_step(kk, acc, tiles=None):
+      p, s, x = tiles or load(kk)
       x_even, x_odd = lax.unstack(x.astype(jnp.float32).reshape(bm, 1, nb, HALF, 2), axis=4)
       v_even, v_odd = (v.astype(jnp.float32)[None] for v in values(p, cfg.dequant, interpret))
       part = jnp.sum(v_even * x_even + v_odd * x_odd, axis=3)   # [bm, bn, nb]: a block's dot
       return acc + part * e8m0_f32(s)[None]
 
+    def k_steps(body, acc):
+      if not cfg.unroll:
+        return lax.fori_loop(k_first, k_first + steps, body, acc)
+      tiles = [load(k_first + i) for i in range(steps)]    # every load before any product
+      for i, t in enumerate(tiles):
+        acc = body(k_first + i, acc, t)
+      return acc
+
     if cfg.fma:
-      acc = lax.fori_loop(k_first, k_first + steps, fma_step,
-                          jnp.zeros((bm, bn, nb), jnp.float32)).sum(axis=2)
+      acc = k_steps(fma_step, jnp.zeros((bm, bn, nb), jnp.float32)).sum(axis=2)
     else:
       shape = (bn, bm) if cfg.swap else (bm, bn)
-      acc = lax.fori_loop(k_first, k_first + steps, fp8_step if cfg.act == "mxfp8" else step,
-                          jnp.zeros(shape, jnp.float32))
+      acc = k_steps(fp8_step if cfg.act == "mxfp8" else step, jnp.zeros(shape, jnp.float32))
       if cfg.swap:
         acc = acc.T
     tile = (pl.ds(r0, bm), pl.ds(n0, bn))

@@ -245,6 +245,35 @@ def test_fma_products():
   np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
 
 
+def test_unrolled_k_steps():
+  """`Config.unroll` (every K step's loads first, then the products, no loop): dense on the MMA
+  (plain, swapped, split-K 2) and on the CUDA cores (fma, 1 and 5 rows), grouped with an empty
+  expert and rows past the groups; against the reference in fp32."""
+  k, n = 512, 64
+  packed, scale = weights(8, n, k)
+  for m, cfg in ((16, triton.Config(block_k=128, unroll=True)),
+                 (21, triton.Config(block_n=32, block_k=64, swap=True, unroll=True)),
+                 (16, triton.Config(block_k=64, split_k=2, unroll=True)),
+                 (1, triton.Config(block_n=4, block_m=1, fma=True, unroll=True)),
+                 (5, triton.Config(block_n=8, block_k=128, block_m=2, fma=True, unroll=True))):
+    x = activations(m + 1, m, k)
+    ref = reference.matmul(x, packed, scale, preferred_element_type=jnp.float32)
+    out = triton.matmul(x, packed, scale, preferred_element_type=jnp.float32, interpret=True,
+                        config=cfg)
+    assert rel_err(out, ref) < F32_TOL, cfg
+  sizes = (3, 0, 6, 1)
+  x = activations(9, 12, k)
+  packed, scale = weights(9, len(sizes), n, k)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = reference.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32)
+  for cfg in (triton.Config(block_k=128, unroll=True),
+              triton.Config(block_n=4, block_m=1, fma=True, unroll=True)):
+    out = triton.ragged_dot(x, packed, scale, gs, preferred_element_type=jnp.float32,
+                            interpret=True, config=cfg)
+    assert rel_err(out, ref) < F32_TOL, cfg
+    np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+
+
 # ------------------------------------------------------------------------------------------
 # MXFP8 activations (`Config.act="mxfp8"`): fp8 MMAs per block of 32
 # ------------------------------------------------------------------------------------------
@@ -456,7 +485,8 @@ def test_bad_configs_are_refused():
                       (triton.Config(block_n=4, fma=True, swap=True), "fma has no MMA"),
                       (triton.Config(act="fp8"), "act must be one of"),
                       (triton.Config(block_n=4, block_m=1, fma=True, **FP8),
-                       "act='mxfp8' feeds fp8 MMAs; fma has no MMA")):
+                       "act='mxfp8' feeds fp8 MMAs; fma has no MMA"),
+                      (triton.Config(unroll=True, **FP8), "unroll loads whole K steps")):
     got = triton.supports_matmul(x, packed, scale, interpret=True, config=cfg)
     assert got is not None and reason in got, (cfg, got)
   assert triton.fit(triton.Config(block_k=1024), 3584).block_k == 512
