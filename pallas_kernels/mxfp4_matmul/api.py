@@ -21,8 +21,8 @@ Pallas kernel on the Triton backend for few rows, decode: one launch streaming t
 weights, `triton.py`), "mosaic_tpu" (`mosaic_tpu.py`, imported when asked for). impl=None is the
 platform default (`default_impls`, by the rows of the call): a kernel joins it only after its
 tests pass on its hardware and where it is the faster tier. On Hopper (GPU tests on the H200,
-2026-12-02/03): `mxfp4_matmul` runs the reference below 8 rows (XLA fuses the unpacking into
-its GEMV), triton from 8 to 16 and "unpacked" above; `mxfp4_ragged_dot` runs triton up to 8
+2026-12-02/03/06): `mxfp4_matmul` runs triton at one row, the reference from 2 to 7 rows (XLA
+fuses the unpacking into its GEMV), triton from 8 to 16 and "unpacked" above; `mxfp4_ragged_dot` runs triton up to 8
 rows per expert (then mosaic_gpu where it declines), mosaic_gpu below 128 and "unpacked" from
 128. mosaic_tpu joins
 once its tests run on a TPU. A named kernel that declines a call (`supports_*` gives the
@@ -66,6 +66,11 @@ UNPACKED_MIN_ROWS_PER_GROUP = 128
 # against the reference's 10.8-11.3 (its time flat in the rows, the reference's growing: the
 # lines cross between 2 and 6 rows, so from 8); grouped at 2-8 rows per expert 40.5-48.9 us,
 # 1.4-2.3x the Mosaic GPU kernel's speed. Above 16 dense rows and 8 per expert it is unmeasured.
+# One dense row (H200, 2026-12-06, 727e9f9): the Triton kernel's CUDA-core config with its K steps
+# unrolled ("fma_n4_w2_unroll", `triton.default_config`) takes 9.1 / 9.8 us at (K, N) = (3584,
+# 3072) / (3072, 3584) against the reference's 10.6 / 11.1 (and its own 16-row MMA config's 13.4
+# / 12.0); from 2 rows each row is its own pass over the weights.
+TRITON_ONE_ROW = True
 TRITON_MIN_ROWS = 8
 TRITON_MAX_ROWS = 16
 TRITON_MAX_ROWS_PER_GROUP = 8
@@ -77,8 +82,9 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
   """Hopper's tier order at m rows over `groups` weights of `weight_elements` elements in all:
   the unpacked tier from UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert
   (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES; else triton up to
-  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above (grouped), triton from
-  TRITON_MIN_ROWS to TRITON_MAX_ROWS and the reference elsewhere (dense)."""
+  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above (grouped), triton at one row
+  (TRITON_ONE_ROW) and from TRITON_MIN_ROWS to TRITON_MAX_ROWS, the reference elsewhere
+  (dense)."""
   fits = 2 * weight_elements <= UNPACKED_MAX_BYTES
   if grouped:
     if fits and m >= UNPACKED_MIN_ROWS_PER_GROUP * groups:
@@ -88,7 +94,8 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
     return ("mosaic_gpu", "reference")
   if fits and m >= UNPACKED_MIN_ROWS:
     return ("unpacked", "reference")
-  return ("triton", "reference") if TRITON_MIN_ROWS <= m <= TRITON_MAX_ROWS else ("reference",)
+  triton = TRITON_MIN_ROWS <= m <= TRITON_MAX_ROWS or (m == 1 and TRITON_ONE_ROW)
+  return ("triton", "reference") if triton else ("reference",)
 
 
 def default_impls(grouped: bool, m: int = 0, groups: int = 1,

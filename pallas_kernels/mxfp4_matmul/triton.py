@@ -235,14 +235,15 @@ def fit(cfg: Config, k: int) -> Config:
 
 
 def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
-  """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03):
-  "n32_ptx" dense, "n64_ptx" grouped (split-K's atomic adds are not); block_n halved (to 16
-  at least) until it divides N, block_k until it divides K (0 if no power of two from 64 does:
-  the call is declined)."""
-  del m
-  cfg = CONFIGS["n64_ptx" if grouped else "n32_ptx"]
-  bn = cfg.block_n
-  while n % bn and bn > 16:
+  """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03
+  and 2026-12-06): "fma_n4_w2_unroll" dense at one row, "n32_ptx" dense at more, "n64_ptx"
+  grouped (split-K's atomic adds are not); block_n halved (to 16 at least, 1 for fma) until it
+  divides N, block_k until it divides K (0 if no power of two from 64 does: the call is
+  declined)."""
+  one_row = not grouped and m == 1
+  cfg = CONFIGS["n64_ptx" if grouped else "fma_n4_w2_unroll" if one_row else "n32_ptx"]
+  bn, least = cfg.block_n, 1 if cfg.fma else 16
+  while n % bn and bn > least:
     bn //= 2
   cfg = fit(dataclasses.replace(cfg, block_n=bn), k)
   return cfg if k % cfg.block_k == 0 else dataclasses.replace(cfg, block_k=0)

@@ -494,9 +494,11 @@ def test_bad_configs_are_refused():
   assert triton.fit(triton.Config(split_k=8), 3584).split_k == 7     # 7 steps of 512
   assert triton.fit(triton.Config(split_k=8), 3072).split_k == 6
   assert triton.fit(triton.Config(block_k=256, split_k=4), 3584).split_k == 2
-  assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["n32_ptx"]
+  assert triton.default_config(1, 3584, 3072, False) == triton.CONFIGS["fma_n4_w2_unroll"]
+  assert triton.default_config(2, 3584, 3072, False) == triton.CONFIGS["n32_ptx"]
+  assert triton.default_config(1, 512, 6, False).block_n == 2        # 4 does not divide 6
   assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_ptx"]
-  assert triton.default_config(1, 512, 48, False).block_n == 16      # 32 does not divide 48
+  assert triton.default_config(2, 512, 48, False).block_n == 16      # 32 does not divide 48
   assert triton.default_config(1, 96, 64, False).block_k == 0        # no block_k divides 96
 
 
@@ -516,7 +518,7 @@ def test_lowers_to_triton_for_h200(m, k, n, g, act):
   if act == "bf16":
     configs = [None, *configs]
   else:
-    default = triton.default_config(m, k, n, g > 1)
+    default = triton.default_config(16, k, n, g > 1)   # an MMA tile (one row: fma, no MMA)
     configs += [dataclasses.replace(default, act=act), dataclasses.replace(default, act=act,
                                                                              dequant="exp")]
   for cfg in [c if c is None else triton.fit(c, k) for c in configs]:
