@@ -22,10 +22,9 @@ weights, `triton.py`), "mosaic_tpu" (`mosaic_tpu.py`, imported when asked for). 
 platform default (`default_impls`, by the rows of the call): a kernel joins it only after its
 tests pass on its hardware and where it is the faster tier. On Hopper (GPU tests on the H200,
 2026-12-02/03/06): `mxfp4_matmul` runs triton at one row, the reference from 2 to 7 rows (XLA
-fuses the unpacking into its GEMV), triton from 8 to 16 and "unpacked" above; `mxfp4_ragged_dot` runs triton up to 8
-rows per expert (then mosaic_gpu where it declines), mosaic_gpu below 128 and "unpacked" from
-128. mosaic_tpu joins
-once its tests run on a TPU. A named kernel that declines a call (`supports_*` gives the
+fuses the unpacking into its GEMV), triton from 8 to 16 and "unpacked" above;
+`mxfp4_ragged_dot` runs triton up to 8 rows per expert (then mosaic_gpu where it declines),
+mosaic_gpu below 128 and "unpacked" from 128. mosaic_tpu joins once its tests run on a TPU. A named kernel that declines a call (`supports_*` gives the
 reason) falls through to the reference (fail closed); `plan` / `plan_ragged_dot` return the
 choice and every reason. `interpret=True` runs the kernel tiers in their interpreters (CPU
 tests).

@@ -193,11 +193,10 @@ CONFIGS = {
                                       split_k=16, num_stages=1, act="mxfp8"),
     "n32_fp8": Config(block_n=32, dequant="ptx", act="mxfp8"),
     # fma with the K steps unrolled, every weight load issued before the first product (sm_90a
-    # SASS: all LDGs of the program first; 96 / 176 registers). The MMA tiles unrolled so
-    # spill (the loads of 7 steps of [16+, 256] bytes held at once).
+    # SASS: all LDGs of the program first, 96 registers): the default at one dense row (9.1 /
+    # 9.8 us against fma_n4_w2's 10.3 / 9.9, H200, 2026-12-06; block_n 8 was slower, 10.6-10.9,
+    # and was dropped). The MMA tiles unrolled spill (7 steps of [16+, 256] bytes held at once).
     "fma_n4_w2_unroll": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True,
-                               unroll=True),
-    "fma_n8_w2_unroll": Config(block_n=8, block_m=1, num_warps=2, dequant="ptx", fma=True,
                                unroll=True),
 }
 
@@ -567,7 +566,7 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
       return p_ref[group, pl.ds(n0, bn), blocks, :], s_ref[group, pl.ds(n0, bn), blocks], x
 
     def step(kk, acc, tiles=None):
-      p, s, x = tiles or load(kk)
+      p, s, x = load(kk) if tiles is None else tiles
       x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
       w_even, w_odd = dequantize(p, s, cfg.dequant, interpret)
       if cfg.swap:
@@ -591,7 +590,7 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
       return acc
 
     def fma_step(kk, acc, tiles=None):
-      p, s, x = tiles or load(kk)
+      p, s, x = load(kk) if tiles is None else tiles
       x_even, x_odd = lax.unstack(x.astype(jnp.float32).reshape(bm, 1, nb, HALF, 2), axis=4)
       v_even, v_odd = (v.astype(jnp.float32)[None] for v in values(p, cfg.dequant, interpret))
       part = jnp.sum(v_even * x_even + v_odd * x_odd, axis=3)   # [bm, bn, nb]: a block's dot
