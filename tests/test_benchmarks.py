@@ -379,10 +379,11 @@ for path, var in packed:
 
 def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
   """benchmarks.triton_sass without the `triton` package: the MXFP4 triton tier's module read
-  from the call lowered for an H200 (default config: n32 with the inline-PTX dequantization,
-  96 programs at N 3072), and the K loop found in a cuobjdump listing by its backward branch."""
+  from the call lowered for an H200 (16 rows' default config: n32 with the inline-PTX
+  dequantization, 96 programs at N 3072), and the K loop found in a cuobjdump listing by its
+  backward branch."""
   from benchmarks import triton_sass
-  [(name, params, text)] = triton_sass.triton_modules(triton_sass.lower(None, 1, 3584, 3072, 1))
+  [(name, params, text)] = triton_sass.triton_modules(triton_sass.lower(None, 16, 3584, 3072, 1))
   assert name == "mxfp4_matmul_triton"
   assert params == dict(num_warps=4, num_stages=4, grid_x=96, grid_y=1, grid_z=1)
   assert "tt.func" in text and "tt.dot" in text and "mul.rn.bf16x2" in text

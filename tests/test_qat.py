@@ -15,6 +15,7 @@ from k3jax import mx
 from k3jax import train
 from k3jax.model import K3ForCausalLM
 from mx_testing import np_fake_quantize
+from pallas_kernels.mxfp4_matmul import triton as mx_triton
 
 B1, B2 = 4.0, 25.0
 DIM, LAT, MID, NUM_E, TOP_K = 64, 32, 64, 6, 2
@@ -189,6 +190,37 @@ def test_fused_path_quantizes_before_the_gather_and_before_w2(monkeypatch):
   unfused = lm.routed_experts(z, weights, experts, w1, w3, w2, B1, B2, qat=True)
   ref = np.asarray(unfused, np.float64)
   assert np.linalg.norm(np.asarray(fused, np.float64) - ref) < 2e-2 * np.linalg.norm(ref)
+
+
+def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
+  """Packed experts with gate_up_impl="triton": the fused MXFP4 kernel (interpreted: the
+  gather, W1 / W3 and SiTU in one call; it ran, not the reference) then W2 equal the fp64 loop
+  over experts on the same MXFP4 weights to bf16 rounding, as does the unfused packed path."""
+  rng = np.random.default_rng(9)
+  n_tok, lat, mid, num_e = 10, 128, 64, 4
+  z = jnp.asarray(rng.normal(size=(n_tok, lat)), jnp.bfloat16)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n_tok, TOP_K)), jnp.float32)
+  experts = jnp.asarray(np.stack([rng.permutation(num_e)[:TOP_K] for _ in range(n_tok)]),
+                        jnp.int32)
+  shapes = {"w1": (num_e, lat, mid), "w3": (num_e, lat, mid), "w2": (num_e, mid, lat)}
+  packed = {n: lm.PackedWeight(*mx.pack_k3(jnp.swapaxes(jnp.asarray(
+      rng.normal(size=shape) * 0.2, jnp.float32), 1, 2))) for n, shape in shapes.items()}
+  grid = {n: np.swapaxes(np.asarray(mx.unpack_k3(*w), np.float64), 1, 2)
+          for n, w in packed.items()}
+  ran = []
+  kernel = mx_triton.gate_up
+  monkeypatch.setattr(mx_triton, "gate_up",
+                      lambda *a, **kw: ran.append(1) or kernel(*a, **kw))
+  fused = lm.routed_experts(z, weights, experts, packed["w1"], packed["w3"], packed["w2"], B1,
+                            B2, gate_up_impl="triton", interpret=True)
+  assert ran and fused.dtype == jnp.bfloat16
+  want, _ = np_experts(np.asarray(z, np.float64), np.asarray(weights, np.float64),
+                       np.asarray(experts), grid, qat=False)
+  unfused = lm.routed_experts(z, weights, experts, packed["w1"], packed["w3"], packed["w2"],
+                              B1, B2)
+  for got in (fused, unfused):
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want)
 
 
 def test_config_fields():

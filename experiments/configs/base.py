@@ -74,7 +74,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn = c.kernels = ml_collections.ConfigDict()
   kn.kda_impl = ""  # "": best available for the platform
   kn.ragged_dot_impl = ""
-  kn.gate_up_impl = ""  # MoE gather + W1/W3 + SiTU: "" best available, "xla" unfused
+  # MoE gather + W1/W3 + SiTU: "" best available, "xla" unfused; packed (MXFP4) experts fuse
+  # only with "triton" (mxfp4_gate_up; opt-in until timed on a GPU)
+  kn.gate_up_impl = ""
   # Its training: "kernel" (also writes SiTU's partials), or "unfused" forward + VJP
   kn.gate_up_train = "kernel"
   kn.attention_impl = ""  # MLA training attention (pallas_kernels.attention): "" best available

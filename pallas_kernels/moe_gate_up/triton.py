@@ -88,7 +88,7 @@ def supports(x, rows, w1, w3, group_sizes, *, interpret: bool = False,
   return None
 
 
-def _situ_factors(gate, up, beta1: float, beta2: float, tanh):
+def situ_factors(gate, up, beta1: float, beta2: float, tanh):
   """SiTU (k3jax.situ) through tanh only: h = a b with a = b1 tanh(g/b1) s,
   s = sigmoid(g) = (1 + tanh(g/2))/2, b = b2 tanh(u/b2). Returns (a, b, tanh(g/b1), s,
   tanh(u/b2)), from which h and its partials (`_situ_partials`) are formed."""
@@ -98,7 +98,7 @@ def _situ_factors(gate, up, beta1: float, beta2: float, tanh):
 
 
 def _situ_partials(a, b, tg, s, tu):
-  """(dh/d gate, dh/d up) from `_situ_factors` (k3jax.situ.situ_partials)."""
+  """(dh/d gate, dh/d up) from `situ_factors` (k3jax.situ.situ_partials)."""
   return b * ((1.0 - tg * tg) * s + a * (1.0 - s)), a * (1.0 - tu * tu)
 
 
@@ -116,7 +116,7 @@ def _kernel(tiles_ref, rows_ref, x_ref, w1_ref, w3_ref, h_ref, *aux_ref, cfg: Co
 
   def store(gate, up):
     mask = valid[:, None]
-    a, b, tg, s, tu = _situ_factors(gate, up, beta1, beta2, tanh)
+    a, b, tg, s, tu = situ_factors(gate, up, beta1, beta2, tanh)
     h = a * b
     plgpu_triton.store(h_ref.at[out_rows, pl.ds(j * bn, bn)], h.astype(h_ref.dtype), mask=mask)
     if situ_grads:

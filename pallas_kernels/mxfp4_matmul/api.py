@@ -24,10 +24,17 @@ tests pass on its hardware and where it is the faster tier. On Hopper (GPU tests
 2026-12-02/03/06): `mxfp4_matmul` runs triton at one row, the reference from 2 to 7 rows (XLA
 fuses the unpacking into its GEMV), triton from 8 to 16 and "unpacked" above;
 `mxfp4_ragged_dot` runs triton up to 8 rows per expert (then mosaic_gpu where it declines),
-mosaic_gpu below 128 and "unpacked" from 128. mosaic_tpu joins once its tests run on a TPU. A named kernel that declines a call (`supports_*` gives the
-reason) falls through to the reference (fail closed); `plan` / `plan_ragged_dot` return the
-choice and every reason. `interpret=True` runs the kernel tiers in their interpreters (CPU
+mosaic_gpu below 128 and "unpacked" from 128. mosaic_tpu joins once its tests run on a TPU.
+A named kernel that declines a call (`supports_*` gives the reason) falls through to the
+reference (fail closed); `plan` / `plan_ragged_dot` return the choice and every reason. `interpret=True` runs the kernel tiers in their interpreters (CPU
 tests).
+
+The MoE experts' first product on packed W1 / W3 (report Eq. 11), for decoding:
+  mxfp4_gate_up(x [N, K], rows [M], w1_packed, w1_scale, w3_packed, w3_scale [G, F, ...],
+                group_sizes [G], beta1, beta2)  -> h [M, F] = SiTU(x[rows] W1_g^T, x[rows] W3_g^T)
+tiers "reference" (gather, two reference products in fp32, `k3jax.situ.situ`) and "triton" (one
+launch: the gather, both products and SiTU, `triton.gate_up`); impl=None is the reference until
+the kernel's GPU tests have run (`GATE_UP_IMPLS`). Not differentiable.
 
 Inference ops: differentiable with respect to x only (a custom VJP on every tier: d_x =
 d_out @ W through the reference's dequantization); the packed weights and scales are integer
@@ -241,3 +248,45 @@ def mxfp4_ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
   _log_declines(p)
   return _product(lhs, w_packed, w_scale, group_sizes.astype(jnp.int32), p,
                   reference.out_dtype(lhs, preferred_element_type))
+
+
+GATE_UP_IMPLS = ("reference", "triton")
+
+
+def plan_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, *,
+                 impl: str | None = None, interpret: bool = False) -> Plan:
+  """The tier `mxfp4_gate_up` would use for these arguments (arrays or ShapeDtypeStructs)."""
+  if len(rows.shape) != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+    raise ValueError(f"rows must be an integer [M] array, got {rows.dtype}{list(rows.shape)}")
+  gathered = jax.ShapeDtypeStruct((rows.shape[0], x.shape[-1]), x.dtype)
+  for packed, scale in ((w1_packed, w1_scale), (w3_packed, w3_scale)):
+    _validate("x", gathered, packed, scale, group_sizes, None)
+  if tuple(w3_packed.shape) != tuple(w1_packed.shape):
+    raise ValueError(f"w3_packed must have w1_packed's shape {tuple(w1_packed.shape)}, got "
+                     f"{tuple(w3_packed.shape)}")
+  if impl is not None and impl not in GATE_UP_IMPLS:
+    raise ValueError(f"impl must be None or one of {GATE_UP_IMPLS}, got {impl!r}")
+  order = ("reference",) if impl in (None, "reference") else (impl, "reference")
+  return tiers.first_supported(
+      order, lambda name: None if name == "reference" else _tier(name).supports_gate_up(
+          x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, interpret=interpret),
+      interpret)
+
+
+def mxfp4_gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale: jax.Array,
+                  w3_packed: jax.Array, w3_scale: jax.Array, group_sizes: jax.Array, *,
+                  beta1: float, beta2: float, impl: str | None = None,
+                  interpret: bool = False) -> jax.Array:
+  """h [M, F] = SiTU(x[rows] W1_g^T, x[rows] W3_g^T) in x's dtype from fp32 products, for the
+  rows of group g (rows: token indices into x, sorted by group; rows past sum(group_sizes) give
+  zeros); W1 / W3 packed [G, F, K/2] with scales [G, F, K/32]. impl: None (the reference) or
+  one of GATE_UP_IMPLS; a kernel that declines the call runs the reference (see
+  `plan_gate_up`)."""
+  p = plan_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, impl=impl,
+                   interpret=interpret)
+  _log_declines(p)
+  if p.impl == "triton":
+    return _tier("triton").gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale,
+                                   group_sizes, beta1=beta1, beta2=beta2, interpret=p.interpret)
+  return reference.gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes,
+                           beta1=beta1, beta2=beta2)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import mx
+from k3jax import situ as situ_lib
 
 
 def supports_matmul(x, w_packed, w_scale, *, preferred_element_type=None,
@@ -63,3 +64,14 @@ def x_cotangent(d_out: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
     d_x = jax.lax.ragged_dot(d_out, w, group_sizes.astype(jnp.int32), precision=hi,
                              preferred_element_type=jnp.float32)
   return d_x.astype(x_dtype)
+
+
+def gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale: jax.Array,
+            w3_packed: jax.Array, w3_scale: jax.Array, group_sizes: jax.Array, *, beta1: float,
+            beta2: float) -> jax.Array:
+  """SiTU(x[rows] W1_g^T, x[rows] W3_g^T) [M, F] in x's dtype: the two products in fp32
+  (`ragged_dot`), then `k3jax.situ.situ` (report Eq. 11)."""
+  xs = x[rows]
+  gate, up = (ragged_dot(xs, p, s, group_sizes, preferred_element_type=jnp.float32)
+              for p, s in ((w1_packed, w1_scale), (w3_packed, w3_scale)))
+  return situ_lib.situ(gate, up, beta1, beta2).astype(x.dtype)

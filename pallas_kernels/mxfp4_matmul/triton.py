@@ -116,6 +116,7 @@ import jax.numpy as jnp
 
 from k3jax import mx
 from pallas_kernels import tiers
+from pallas_kernels.moe_gate_up import triton as gate_up_triton
 from pallas_kernels.mxfp4_matmul import reference
 
 BLOCK = 32                      # elements per E8M0 scale along K
@@ -661,24 +662,13 @@ def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: 
   the output starts zeroed). refs as `_dense_kernel`'s."""
   out_ref = refs[-1]
   m = x_ref.shape[0]
-  g = p_ref.shape[0]
-  g_pad = pl.next_power_of_2(g)
   n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
-  t = pl.program_id(1)
-  idx = jnp.arange(g_pad)
-  sizes = plgpu_triton.load(gs_ref.at[pl.ds(0, g_pad)], mask=idx < g, other=0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m)            # group g: rows [starts, ends) of x
-  starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
-  nonempty = (ends > starts).astype(jnp.int32)
-  mine = (nonempty > 0) & (jnp.cumsum(nonempty) == t + 1)
-  group = jnp.sum(jnp.where(mine, idx, 0))
-  first = jnp.sum(jnp.where(mine, starts, 0))
-  end = jnp.sum(jnp.where(mine, ends, 0))           # 0 (no rows) when there is no t-th group
+  group, first, end, past = _slot_group(gs_ref, p_ref.shape[0], m)
   xs_ref = _x_factors(refs, cfg)
   if cfg.split_k > 1:
     _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
     return
-  last = pl.num_programs(1) - 1
+  t, last = pl.program_id(1), pl.num_programs(1) - 1
 
   @pl.when(t < last)
   def _():
@@ -686,7 +676,25 @@ def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: 
 
   @pl.when(t == last)
   def _():
-    _zero_rows(jnp.max(ends), m, out_ref, n0, cfg)
+    _zero_rows(past, m, out_ref, n0, cfg)
+
+
+def _slot_group(gs_ref, g: int, m: int):
+  """(group, first, end, past) for grid slot t = program_id(1): the t-th non-empty group of
+  group_sizes (g of them) and its rows [first, end) of the m (end = 0 if there is none), and
+  the first row past every group."""
+  g_pad = pl.next_power_of_2(g)
+  t = pl.program_id(1)
+  idx = jnp.arange(g_pad)
+  sizes = plgpu_triton.load(gs_ref.at[pl.ds(0, g_pad)], mask=idx < g, other=0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m)            # group g: rows [starts, ends)
+  starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
+  nonempty = (ends > starts).astype(jnp.int32)
+  mine = (nonempty > 0) & (jnp.cumsum(nonempty) == t + 1)
+  group = jnp.sum(jnp.where(mine, idx, 0))
+  first = jnp.sum(jnp.where(mine, starts, 0))
+  end = jnp.sum(jnp.where(mine, ends, 0))           # 0 (no rows) when there is no t-th group
+  return group, first, end, jnp.max(ends)
 
 
 # jitted: every layer's call shares one lowering (and one Triton kernel for XLA to build)
@@ -748,3 +756,116 @@ def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_si
   cfg = default_config(m, k, n, True) if config is None else config
   return _call(lhs, w_packed, w_scale, group_sizes, cfg=cfg,
                out_dtype=reference.out_dtype(lhs, preferred_element_type), interpret=interpret)
+
+
+# ------------------------------------------------------------------------------------------
+# The MoE experts' first product on packed W1 and W3: gather, both products, SiTU
+# ------------------------------------------------------------------------------------------
+
+def _gate_up_rows(first, end, rows_ref, x_ref, weights, h_ref, group, n0, cfg: Config,
+                  situ, interpret: bool):
+  """h[first:end, n0:n0 + bn] = situ(x[rows] @ W1_group^T, x[rows] @ W3_group^T) for the
+  group's sorted rows [first, end) in row blocks of block_m: each row's token index from
+  rows_ref, its x row gathered per K step and dotted with both weights' dequantized tiles.
+  weights: ((w1 packed ref, w1 scale ref), (w3 packed ref, w3 scale ref))."""
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  nb = bk // BLOCK
+  steps = x_ref.shape[1] // bk
+
+  def row_block(r, carry):
+    r0 = first + r * bm
+    valid = r0 + jnp.arange(bm) < end
+    tokens = plgpu_triton.load(rows_ref.at[pl.ds(r0, bm)], mask=valid, other=0)
+
+    def step(kk, acc):
+      x = x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)]      # [bm, bk], one row a token
+      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
+      blocks = pl.ds(_aligned(kk * nb, nb), nb)
+      out = []
+      for (p_ref, s_ref), a in zip(weights, acc):
+        w_even, w_odd = dequantize(p_ref[group, pl.ds(n0, bn), blocks, :],
+                                   s_ref[group, pl.ds(n0, bn), blocks], cfg.dequant, interpret)
+        out.append(a + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd))
+      return tuple(out)
+
+    zeros = jnp.zeros((bm, bn), jnp.float32)
+    gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
+    plgpu_triton.store(h_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)],
+                       situ(gate, up).astype(h_ref.dtype), mask=valid[:, None])
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
+
+
+def _gate_up_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, h_ref, *,
+                    cfg: Config, situ, interpret: bool):
+  """Program (j, t): columns [j bn, + bn) of h for the rows of the t-th non-empty group; the
+  last slot zeros the rows past the groups."""
+  m = rows_ref.shape[0]
+  n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
+  group, first, end, past = _slot_group(gs_ref, p1_ref.shape[0], m)
+  t, last = pl.program_id(1), pl.num_programs(1) - 1
+
+  @pl.when(t < last)
+  def _():
+    _gate_up_rows(first, end, rows_ref, x_ref, ((p1_ref, s1_ref), (p3_ref, s3_ref)), h_ref,
+                  group, n0, cfg, situ, interpret)
+
+  @pl.when(t == last)
+  def _():
+    _zero_rows(past, m, h_ref, n0, cfg)
+
+
+def supports_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, *,
+                     interpret: bool = False, config: Config | None = None) -> str | None:
+  """None if `gate_up` takes this call (shapes checked by the API), else the reason: the
+  ragged_dot tier's conditions on the gathered rows and each weight, and an MMA tile config
+  (no split-K, swap, fma or MXFP8 x)."""
+  m = rows.shape[0]
+  rows_x = jax.ShapeDtypeStruct((m, x.shape[1]), x.dtype)
+  for packed, scale in ((w1_packed, w1_scale), (w3_packed, w3_scale)):
+    if reason := supports_ragged_dot(rows_x, packed, scale, group_sizes, interpret=interpret,
+                                     config=config):
+      return reason
+  if not interpret and (reason := tiers.triton_offsets_reason(x=x, rows=rows)):
+    return reason
+  if x.shape[0] == 0:
+    return "no tokens"
+  cfg = default_config(m, x.shape[1], w1_packed.shape[1], True) if config is None else config
+  if cfg.split_k > 1 or cfg.swap or cfg.fma or cfg.act != "bf16":
+    return (f"gate_up takes an MMA tile of bf16 x without split-K, swap or fma, got split_k="
+            f"{cfg.split_k}, swap={cfg.swap}, fma={cfg.fma}, act={cfg.act!r}")
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("beta1", "beta2", "interpret", "config"))
+def gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale: jax.Array,
+            w3_packed: jax.Array, w3_scale: jax.Array, group_sizes: jax.Array, *, beta1: float,
+            beta2: float, interpret: bool = False, config: Config | None = None) -> jax.Array:
+  """h [M, F] = SiTU(x[rows] W1_g^T, x[rows] W3_g^T) (report Eq. 11) in x's dtype for the
+  rows of group g (rows [M] token indices into x [N, K], sorted by group; rows past
+  sum(group_sizes) give zeros), W1 / W3 packed as (w_packed [G, F, K/2], w_scale [G, F, K/32])
+  uint8: one launch for the gather, both products (fp32) and SiTU (`moe_gate_up.triton`'s,
+  tanh.approx on a GPU). Call `supports_gate_up` first."""
+  if reason := supports_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes,
+                                interpret=interpret, config=config):
+    raise NotImplementedError(reason)
+  (m,), (g, f, half) = rows.shape, w1_packed.shape
+  k = 2 * half
+  cfg = default_config(m, k, f, True) if config is None else config
+  tanh = jnp.tanh if interpret else plgpu_triton.approx_tanh
+
+  def situ(gate, up):
+    a, b, *_ = gate_up_triton.situ_factors(gate, up, beta1, beta2, tanh)
+    return a * b
+
+  view = lambda p: p.reshape(g, f, k // BLOCK, HALF)         # free: a row of 16 bytes a block
+  return pl.pallas_call(
+      functools.partial(_gate_up_kernel, cfg=cfg, situ=situ, interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct((m, f), x.dtype),
+      grid=(f // cfg.block_n, min(g, m) + 1),
+      compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
+                                                  num_stages=cfg.num_stages),
+      interpret=interpret, name="mxfp4_gate_up_triton",
+  )(group_sizes.astype(jnp.int32), rows.astype(jnp.int32), x, view(w1_packed), w1_scale,
+    view(w3_packed), w3_scale)

@@ -11,7 +11,8 @@ The plan must pick mosaic_gpu when asked, so a silent fall-through fails. The Tr
 (`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization
 (split-K too; with MXFP8 x on the fp8 MMA too), large scales, overflow and NaN, the K3 shapes at
 M = 1 and 16 dense and over 8 experts at M = 16 and 64, and every benchmark candidate config
-(those with MXFP8 x against the reference's fp32 product of MXFP8-rounded x).
+(those with MXFP8 x against the reference's fp32 product of MXFP8-rounded x); its fused gate/up
+kernel (gather, W1 / W3, SiTU) against the reference tier at k3_small's and K3's shapes.
 """
 import dataclasses
 
@@ -27,9 +28,11 @@ from mxfp4_testing import every_code
 from mxfp4_testing import plant_overflow_and_nan
 from mxfp4_testing import rel_err
 from pallas_kernels.mxfp4_matmul import mosaic_gpu
+from pallas_kernels.mxfp4_matmul import mxfp4_gate_up
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
 from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan
+from pallas_kernels.mxfp4_matmul import plan_gate_up
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
 from pallas_kernels.mxfp4_matmul import triton
@@ -331,6 +334,25 @@ def test_triton_every_candidate_config(name):
       x, packed, scale, gs)
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
   np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(SIZES[m]):], 0.0)
+
+
+@pytest.mark.parametrize("k, f, m", [(512, 512, 16), (3584, 3072, 16), (3584, 3072, 64)])
+def test_triton_gate_up(k, f, m):
+  """The fused MXFP4 gate/up kernel (`triton.gate_up`: each row's token gathered, W1 and W3
+  dequantized and dotted, SiTU with tanh.approx) against the reference tier (gather, two
+  fp32 products, `k3jax.situ`) over 8 experts of SIZES[m] rows (repeated and unused tokens, an
+  empty expert) and 5 rows past the groups (zeros); through the API, which must pick it."""
+  sizes, n = SIZES[m], 12
+  x, p1, s1 = make(n, k, f, len(sizes), seed=k + m)
+  _, p3, s3 = make(n, k, f, len(sizes), seed=k + m + 1)
+  rows = jax.random.randint(jax.random.key(m), (m + 5,), 0, n - 1, jnp.int32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  assert plan_gate_up(x, rows, p1, s1, p3, s3, gs, impl="triton").impl == "triton"
+  fn = jax.jit(mxfp4_gate_up, static_argnames=("beta1", "beta2", "impl"))
+  ref = fn(x, rows, p1, s1, p3, s3, gs, beta1=4.0, beta2=2.0, impl="reference")
+  out = fn(x, rows, p1, s1, p3, s3, gs, beta1=4.0, beta2=2.0, impl="triton")
+  assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, rel_err(out, ref)
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes):], 0.0)
 
 
 def test_ragged_dot_weights_between_2_and_4_gib():

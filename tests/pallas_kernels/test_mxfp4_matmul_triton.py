@@ -31,9 +31,11 @@ from mxfp4_testing import oracle
 from mxfp4_testing import plant_overflow_and_nan
 from mxfp4_testing import rel_err
 from pallas_kernels.mxfp4_matmul import IMPLS
+from pallas_kernels.mxfp4_matmul import mxfp4_gate_up
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
 from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan
+from pallas_kernels.mxfp4_matmul import plan_gate_up
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
 from pallas_kernels.mxfp4_matmul import triton
@@ -272,6 +274,88 @@ def test_unrolled_k_steps():
                             interpret=True, config=cfg)
     assert rel_err(out, ref) < F32_TOL, cfg
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+
+
+def gate_up_oracle(x, rows, w1, w3, sizes, beta1, beta2) -> np.ndarray:
+  """SiTU(x[rows] W1_g^T, x[rows] W3_g^T) in float64 by a loop over the rows: each row's
+  token and expert looked up one by one, the weights unpacked by `mx.unpack_k3`, SiTU written
+  out; rows past the groups zero."""
+  x = np.asarray(x, np.float64)
+  w1, w3 = (np.asarray(mx.unpack_k3(*w), np.float64) for w in (w1, w3))
+  expert = np.repeat(np.arange(len(sizes)), sizes)
+  h = np.zeros((len(rows), w1.shape[1]))
+  for r, e in enumerate(expert):
+    g, u = w1[e] @ x[rows[r]], w3[e] @ x[rows[r]]
+    h[r] = beta1 * np.tanh(g / beta1) / (1 + np.exp(-g)) * beta2 * np.tanh(u / beta2)
+  return h
+
+
+def test_gate_up_gathers_both_products_and_situ():
+  """`triton.gate_up` (one kernel: the gather of each row's token, W1 and W3 dequantized and
+  dotted, SiTU) against a float64 loop over the rows: tokens picked twice and never, an empty
+  expert, rows past the groups (zeros); block_m 16 over a 20-row expert (two row blocks);
+  through the API with impl="triton" and, by default, the reference."""
+  n, k, f, beta1, beta2 = 9, 256, 64, 4.0, 2.0
+  sizes = (3, 0, 20, 1)
+  m = sum(sizes) + 2
+  x = activations(11, n, k)
+  rows = jnp.asarray(np.random.default_rng(0).integers(0, n - 1, m), jnp.int32)  # never n-1
+  w1, w3 = weights(12, len(sizes), f, k), weights(13, len(sizes), f, k)
+  gs = jnp.asarray(sizes, jnp.int32)
+  want = gate_up_oracle(x.astype(jnp.float32), np.asarray(rows), w1, w3, sizes, beta1, beta2)
+  for cfg in (triton.Config(block_n=32, block_k=128), triton.Config(block_k=64, block_n=64)):
+    h = triton.gate_up(x, rows, *w1, *w3, gs, beta1=beta1, beta2=beta2, interpret=True,
+                       config=cfg)
+    assert h.dtype == jnp.bfloat16 and rel_err(h, want) < BF16_TOL, cfg
+    np.testing.assert_array_equal(np.asarray(h, np.float32)[sum(sizes):], 0.0)
+  for impl in ("triton", None):
+    p = plan_gate_up(x, rows, *w1, *w3, gs, impl=impl, interpret=True)
+    assert p.impl == (impl or "reference"), p
+    h = mxfp4_gate_up(x, rows, *w1, *w3, gs, beta1=beta1, beta2=beta2, impl=impl,
+                      interpret=True)
+    assert rel_err(h, want) < BF16_TOL, impl
+
+
+def test_gate_up_refusals():
+  """The kernel takes MMA tiles only (a named config with split-K, swap or fma is refused,
+  and the API falls through to the reference with the reason); bad shapes name the argument."""
+  x = activations(0, 4, 128)
+  rows = jnp.arange(8, dtype=jnp.int32) % 4
+  w, gs = weights(0, 2, 32, 128), jnp.asarray([5, 3], jnp.int32)
+  for cfg in (triton.Config(block_k=64, split_k=2),
+              triton.Config(block_n=32, block_k=64, swap=True),
+              triton.Config(block_n=4, block_k=64, block_m=1, fma=True)):
+    reason = triton.supports_gate_up(x, rows, *w, *w, gs, interpret=True, config=cfg)
+    assert reason is not None and "gate_up takes an MMA tile" in reason, (cfg, reason)
+  p = plan_gate_up(x.astype(jnp.float32), rows, *w, *w, gs, impl="triton", interpret=True)
+  assert p.impl == "reference" and "bfloat16" in p.declined[0][1], p
+  with pytest.raises(ValueError, match="rows must be an integer"):
+    plan_gate_up(x, rows.astype(jnp.float32), *w, *w, gs)
+  with pytest.raises(ValueError, match="w3_packed must have w1_packed's shape"):
+    plan_gate_up(x, rows, *w, *weights(1, 2, 64, 128), gs)
+  with pytest.raises(ValueError, match="impl must be None or one of"):
+    plan_gate_up(x, rows, *w, *w, gs, impl="mosaic_gpu")
+
+
+@pytest.mark.parametrize("n, m, k, f, g", [(16, 128, 512, 512, 64), (16, 256, 3584, 3072, 896)])
+def test_gate_up_lowers_to_one_triton_call_for_h200(n, m, k, f, g):
+  """`triton.gate_up` at k3_small's decode shape (16 tokens x top-8 over 64 experts, 512 ->
+  512) and K3's (top-16 over 896, 3584 -> 3072) lowers for an H200 to one Triton kernel whose
+  grid is (F / block_n, min(G, M) + 1) (`benchmarks.triton_sass`'s abstract device)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                       platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
+  args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.int32),
+          u8(g, f, k // 2), u8(g, f, k // 32), u8(g, f, k // 2), u8(g, f, k // 32),
+          jax.ShapeDtypeStruct((g,), jnp.int32))
+  fn = lambda *a: triton.gate_up(*a, beta1=4.0, beta2=2.0)
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  [(name, params, _)] = triton_sass.triton_modules(lowered)
+  cfg = triton.default_config(m, k, f, True)
+  assert name == "mxfp4_gate_up_triton", name
+  assert (params["grid_x"], params["grid_y"]) == (f // cfg.block_n, min(g, m) + 1), params
 
 
 # ------------------------------------------------------------------------------------------
