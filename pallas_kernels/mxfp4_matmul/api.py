@@ -26,8 +26,8 @@ fuses the unpacking into its GEMV), triton from 8 to 16 and "unpacked" above;
 `mxfp4_ragged_dot` runs triton up to 8 rows per expert (then mosaic_gpu where it declines),
 mosaic_gpu below 128 and "unpacked" from 128. mosaic_tpu joins once its tests run on a TPU.
 A named kernel that declines a call (`supports_*` gives the reason) falls through to the
-reference (fail closed); `plan` / `plan_ragged_dot` return the choice and every reason. `interpret=True` runs the kernel tiers in their interpreters (CPU
-tests).
+reference (fail closed); `plan` / `plan_ragged_dot` return the choice and every reason.
+`interpret=True` runs the kernel tiers in their interpreters (CPU tests).
 
 The MoE experts' first product on packed W1 / W3 (report Eq. 11), for decoding:
   mxfp4_gate_up(x [N, K], rows [M], w1_packed, w1_scale, w3_packed, w3_scale [G, F, ...],
@@ -256,6 +256,8 @@ GATE_UP_IMPLS = ("reference", "triton")
 def plan_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, *,
                  impl: str | None = None, interpret: bool = False) -> Plan:
   """The tier `mxfp4_gate_up` would use for these arguments (arrays or ShapeDtypeStructs)."""
+  if len(x.shape) != 2:
+    raise ValueError(f"x must be a floating [N, K] array, got shape {tuple(x.shape)}")
   if len(rows.shape) != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
     raise ValueError(f"rows must be an integer [M] array, got {rows.dtype}{list(rows.shape)}")
   gathered = jax.ShapeDtypeStruct((rows.shape[0], x.shape[-1]), x.dtype)

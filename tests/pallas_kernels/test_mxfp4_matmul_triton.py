@@ -329,6 +329,8 @@ def test_gate_up_refusals():
     assert reason is not None and "gate_up takes an MMA tile" in reason, (cfg, reason)
   p = plan_gate_up(x.astype(jnp.float32), rows, *w, *w, gs, impl="triton", interpret=True)
   assert p.impl == "reference" and "bfloat16" in p.declined[0][1], p
+  with pytest.raises(ValueError, match=r"x must be a floating \[N, K\] array"):
+    plan_gate_up(x[None], rows, *w, *w, gs)
   with pytest.raises(ValueError, match="rows must be an integer"):
     plan_gate_up(x, rows.astype(jnp.float32), *w, *w, gs)
   with pytest.raises(ValueError, match="w3_packed must have w1_packed's shape"):
