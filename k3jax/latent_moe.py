@@ -252,26 +252,26 @@ def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse:
   top_k = weights.shape[1]
   z = expert_input(z, qat)
   packed = isinstance(w1, PackedWeight)
-  if packed and gate_up_impl == "triton":
-    with jax.named_scope("moe_experts"):
-      h = mxfp4_matmul.mxfp4_gate_up(z, order // top_k, w1.packed, w1.scale, w3.packed,
-                                     w3.scale, group_sizes, beta1=beta1, beta2=beta2,
-                                     impl="triton", interpret=interpret)
-      out = expert_down(h, w2, group_sizes, ragged_dot, qat)
-    with jax.named_scope("moe_combine"):
-      return combine(out, weights, order, inverse).astype(z.dtype)
-  tier = "xla" if packed else moe_gate_up.plan(
-      z, order, w1, w3, group_sizes, impl=gate_up_impl, interpret=interpret).impl
+  if packed:
+    tier = "triton" if gate_up_impl == "triton" else "xla"
+  else:
+    tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
+                            interpret=interpret).impl
   if tier == "xla":
     with jax.named_scope("moe_dispatch"):
       xs = dispatch(z, order, inverse, top_k)
     with jax.named_scope("moe_experts"):
       out = expert_ffn(xs, w1, w3, w2, group_sizes, beta1, beta2, ragged_dot, qat)
   else:
-    spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret, gate_up_train)
     with jax.named_scope("moe_experts"):
-      out = expert_down(fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec), w2,
-                        group_sizes, ragged_dot, qat)
+      if packed:
+        h = mxfp4_matmul.mxfp4_gate_up(z, order // top_k, w1.packed, w1.scale, w3.packed,
+                                       w3.scale, group_sizes, beta1=beta1, beta2=beta2,
+                                       impl="triton", interpret=interpret)
+      else:
+        spec = GateUpSpec(top_k, beta1, beta2, ragged_dot, tier, interpret, gate_up_train)
+        h = fused_gate_up(z, order, inverse, w1, w3, group_sizes, spec)
+      out = expert_down(h, w2, group_sizes, ragged_dot, qat)
   with jax.named_scope("moe_combine"):
     return combine(out, weights, order, inverse).astype(z.dtype)
 

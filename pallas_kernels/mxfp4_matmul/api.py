@@ -76,7 +76,6 @@ UNPACKED_MIN_ROWS_PER_GROUP = 128
 # unrolled ("fma_n4_w2_unroll", `triton.default_config`) takes 9.1 / 9.8 us at (K, N) = (3584,
 # 3072) / (3072, 3584) against the reference's 10.6 / 11.1 (and its own 16-row MMA config's 13.4
 # / 12.0); from 2 rows each row is its own pass over the weights.
-TRITON_ONE_ROW = True
 TRITON_MIN_ROWS = 8
 TRITON_MAX_ROWS = 16
 TRITON_MAX_ROWS_PER_GROUP = 8
@@ -88,9 +87,8 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
   """Hopper's tier order at m rows over `groups` weights of `weight_elements` elements in all:
   the unpacked tier from UNPACKED_MIN_ROWS (dense) or UNPACKED_MIN_ROWS_PER_GROUP per expert
   (grouped) while the bf16 weights fit UNPACKED_MAX_BYTES; else triton up to
-  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above (grouped), triton at one row
-  (TRITON_ONE_ROW) and from TRITON_MIN_ROWS to TRITON_MAX_ROWS, the reference elsewhere
-  (dense)."""
+  TRITON_MAX_ROWS_PER_GROUP per expert and mosaic_gpu above (grouped), triton at one row and
+  from TRITON_MIN_ROWS to TRITON_MAX_ROWS, the reference elsewhere (dense)."""
   fits = 2 * weight_elements <= UNPACKED_MAX_BYTES
   if grouped:
     if fits and m >= UNPACKED_MIN_ROWS_PER_GROUP * groups:
@@ -100,7 +98,7 @@ def hopper_impls(grouped: bool, m: int, groups: int = 1,
     return ("mosaic_gpu", "reference")
   if fits and m >= UNPACKED_MIN_ROWS:
     return ("unpacked", "reference")
-  triton = TRITON_MIN_ROWS <= m <= TRITON_MAX_ROWS or (m == 1 and TRITON_ONE_ROW)
+  triton = m == 1 or TRITON_MIN_ROWS <= m <= TRITON_MAX_ROWS
   return ("triton", "reference") if triton else ("reference",)
 
 
