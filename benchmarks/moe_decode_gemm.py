@@ -16,14 +16,20 @@ Rows (implementation):
   gate/up as two calls on W1 and W3 (N / 2 each), as the model runs packed experts;
   its floor counts the packed bytes (4.25 bits a weight), its error is against the MXFP4
   reference tier (`rel_l2_vs_reference`), not bf16 XLA.
+Gate/up shapes also run the packed experts' first product as the MoE does, from the B token
+rows (op "moe_decode_gate_up"): "unfused" (the copies gathered by XLA, the two calls above,
+SiTU by XLA) against `mxfp4_matmul.triton.gate_up` (gather, W1, W3 and SiTU in one launch) in
+its default config and in each of GATE_UP_CONFIGS; errors against the reference tier's gate/up.
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
 that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
 touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
 the Mosaic GPU and Pallas interpreters (CPU tests; "mxfp4" on the Triton tier), wall clock.
 
   python3 -m benchmarks.moe_decode_gemm --out=$OUT/moe_decode_h200.json
+  python3 -m benchmarks.moe_decode_gemm --shapes=k3_small_gate_up,k3_gate_up   # gate/up only
 """
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +38,12 @@ from absl import app, flags
 
 from benchmarks import common
 from k3jax import mx
+from k3jax import situ
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
 from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot as mxfp4_plan
+from pallas_kernels.mxfp4_matmul import reference as mxfp4_reference
+from pallas_kernels.mxfp4_matmul import triton as mxfp4_triton
 from pallas_kernels.ragged_dot import mosaic_gpu
 from pallas_kernels.ragged_dot import plan
 from pallas_kernels.ragged_dot import ragged_dot
@@ -43,6 +52,7 @@ _OUT = flags.DEFINE_string("out", "benchmarks/results/moe_decode_h200.json",
                            "Records (JSON list).")
 _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, the kernels in the Mosaic "
                          "GPU interpreter (CPU), wall-clock time.")
+_SHAPES = flags.DEFINE_list("shapes", None, "Names of SHAPES to run (default: all).")
 # name -> (G, K, N, top_k)
 SHAPES = {"k3_small_gate_up": (64, 512, 1024, 8), "k3_small_down": (64, 512, 512, 8),
           "k3_gate_up": (None, 3584, 6144, 16), "k3_down": (None, 3072, 3584, 16)}
@@ -52,15 +62,24 @@ TOY_BATCHES = (2,)
 MXFP4_TOY_IMPL = "triton"        # --toy: the Triton tier in its interpreter (CPU's default is
                                  # the reference the row is checked against)
 L2_BYTES = 50 * 2 ** 20          # H200
+# The fused gate/up's candidates besides its default ("n64_ptx", 231 registers at k3_small's
+# shape on sm_90a): half the columns a program, 168 registers, a third more programs resident.
+GATE_UP_CONFIGS = {"n32_k256_ptx": mxfp4_triton.Config(block_n=32, block_k=256, dequant="ptx")}
+BETAS = (4.0, 2.0)               # SiTU's beta1, beta2 (any: the timing does not depend on them)
 TRACED_CALLS = 40
 KEY_FIELDS = ("op", "implementation", "shape", "device")
 
 
-def routed_sizes(batch: int, top_k: int, groups: int, seed: int = 0) -> np.ndarray:
-  """Group sizes of `batch` tokens each routed to top_k distinct experts out of `groups`."""
+def routed_picks(batch: int, top_k: int, groups: int, seed: int = 0) -> np.ndarray:
+  """[batch * top_k] experts: each of `batch` tokens routed to top_k distinct ones of
+  `groups`."""
   rng = np.random.default_rng(seed)
-  picks = np.concatenate([rng.choice(groups, top_k, replace=False) for _ in range(batch)])
-  return np.bincount(picks, minlength=groups).astype(np.int32)
+  return np.concatenate([rng.choice(groups, top_k, replace=False) for _ in range(batch)])
+
+
+def routed_sizes(batch: int, top_k: int, groups: int, seed: int = 0) -> np.ndarray:
+  """Group sizes of `routed_picks`."""
+  return np.bincount(routed_picks(batch, top_k, groups, seed), minlength=groups).astype(np.int32)
 
 
 def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
@@ -156,6 +175,9 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
     print(f"{name:18s} B{batch:<3d} G{g} M{m} K{k} N{n} {impl:8s} {ms:9.4f} ms  floor "
           f"{rec['floor_ms']} ms", flush=True)
   rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  if halves == 2:
+    records += run_gate_up(base, batch, top_k, g, k, weight_sets["mxfp4"], floors["mxfp4"],
+                           floor_ms, toy, rel)
   for rec in records:
     impl = rec["implementation"]
     if impl == "mxfp4" and impl in outputs:
@@ -167,12 +189,70 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
   return records
 
 
+def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets: list,
+                floor_bytes: int, floor_ms: Callable, toy: bool, rel: Callable) -> list[dict]:
+  """The packed experts' gate/up from the B token rows: "unfused" against the fused kernel in
+  its default config and GATE_UP_CONFIGS (op "moe_decode_gate_up"; module docstring)."""
+  picks = routed_picks(batch, top_k, g)
+  rows = jnp.asarray(np.argsort(picks, kind="stable") // top_k, jnp.int32)
+  sizes = jnp.asarray(np.bincount(picks, minlength=g), jnp.int32)
+  x = jax.random.normal(jax.random.key(batch), (batch, k), jnp.float32).astype(jnp.bfloat16)
+
+  def unfused(x, parts, gs):
+    xs = jnp.take(x, rows, axis=0)
+    gate, up = (mxfp4_ragged_dot(xs, *w, gs, impl=MXFP4_TOY_IMPL if toy else None,
+                                 interpret=toy, preferred_element_type=jnp.float32)
+                for w in parts)
+    return situ.situ(gate, up, *BETAS).astype(x.dtype)
+
+  def fused(config):
+    return lambda x, parts, gs: mxfp4_triton.gate_up(
+        x, rows, *parts[0], *parts[1], gs, beta1=BETAS[0], beta2=BETAS[1], interpret=toy,
+        config=config)
+
+  impls = {"unfused": (unfused, None), "fused": (fused(None), None)}
+  impls.update({f"fused_{name}": (fused(mxfp4_triton.fit(cfg, k)), mxfp4_triton.fit(cfg, k))
+                for name, cfg in GATE_UP_CONFIGS.items()})
+  (w1, w3), = weight_sets[:1]
+  want = mxfp4_reference.gate_up(x, rows, *w1, *w3, sizes, beta1=BETAS[0], beta2=BETAS[1])
+  records = []
+  for impl, (fn, cfg) in impls.items():
+    rec = dict(base, op="moe_decode_gate_up", implementation=impl, floor_bytes=floor_bytes,
+               floor_ms=floor_ms(floor_bytes), config=None if cfg is None else str(cfg))
+    rec["shape"] = dict(base["shape"], M=batch * top_k, N=w1[0].shape[1], tokens=batch)
+    if impl.startswith("fused") and (reason := mxfp4_triton.supports_gate_up(
+        x, rows, *w1, *w3, sizes, interpret=toy, config=cfg)):
+      rec.update(error=reason)
+      records.append(rec)
+      continue
+    jitted = jax.jit(fn)
+    if toy:
+      ms = common.time_jax_once(jitted, x, weight_sets[0], sizes)
+      rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
+    else:
+      calls = max(TRACED_CALLS, len(weight_sets))
+      ms = common.device_ms_cycling(jitted, [(x, w, sizes) for w in weight_sets], reps=calls)
+      rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls")
+    got = jitted(x, weight_sets[0], sizes).astype(jnp.float32)
+    rec.update(median_ms=round(ms, 4), rel_l2_vs_reference=rel(got, want.astype(jnp.float32)),
+               floor_fraction=None if rec["floor_ms"] is None else round(rec["floor_ms"] / ms, 3))
+    records.append(rec)
+    print(f"{base['shape']['name']:18s} B{batch:<3d} gate/up {impl:22s} {ms:9.4f} ms  rel "
+          f"{rec['rel_l2_vs_reference']:.1e}", flush=True)
+  return records
+
+
 def main(argv):
   del argv
   toy = _TOY.value
   copy = None if toy else common.copy_tbps()
   print(f"device {common.device_name()}: copy {copy} TB/s", flush=True)
-  for name, (g, k, n, top_k) in (TOY_SHAPES if toy else SHAPES).items():
+  shapes = TOY_SHAPES if toy else SHAPES
+  if unknown := set(_SHAPES.value or ()) - set(shapes):
+    raise app.UsageError(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
+  for name, (g, k, n, top_k) in shapes.items():
+    if _SHAPES.value and name not in _SHAPES.value:
+      continue
     for batch in TOY_BATCHES if toy else BATCHES:
       records = run_shape(name, g or batch * top_k, k, n, batch, top_k, toy, copy)
       for r in records:

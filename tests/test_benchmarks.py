@@ -153,8 +153,13 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
 def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_path):
   out = tmp_path / "moe_decode.json"
   run_module("benchmarks.moe_decode_gemm", "--toy", f"--out={out}")
-  recs = {r["implementation"]: r for r in records(out)}
+  recs = {r["implementation"]: r for r in records(out) if r["op"] == "moe_decode_gemm"}
   assert set(recs) == {"ws", "swapped", "xla", "mxfp4"}
+  gate_up = {r["implementation"]: r for r in records(out) if r["op"] == "moe_decode_gate_up"}
+  assert set(gate_up) == {"unfused", "fused", "fused_n32_k256_ptx"}
+  for r in gate_up.values():    # from the 2 token rows; against the reference tier's gate/up
+    assert r["median_ms"] > 0 and r["rel_l2_vs_reference"] < 1e-2, r
+    assert r["shape"]["tokens"] == 2 and r["shape"]["N"] == 128, r
   for r in recs.values():
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and r["timing"].startswith("wall")
     assert r["shape"]["M"] == r["shape"]["B"] * r["shape"]["top_k"] == 8
