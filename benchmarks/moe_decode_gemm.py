@@ -121,6 +121,18 @@ def reference_output(x: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
                            jnp.zeros((x.shape[0], w_packed.shape[1]), jnp.float32))
 
 
+def timed(jitted: Callable, rec: dict, x: jax.Array, weight_sets: list, sizes: jax.Array,
+          toy: bool) -> float:
+  """ms per call of jitted(x, w, sizes): one call's wall time with --toy, else device time
+  over calls cycling the weight copies; rec["timing"] says which."""
+  if toy:
+    rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
+    return common.time_jax_once(jitted, x, weight_sets[0], sizes)
+  calls = max(TRACED_CALLS, len(weight_sets))
+  rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls")
+  return common.device_ms_cycling(jitted, [(x, w, sizes) for w in weight_sets], reps=calls)
+
+
 def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bool,
               copy: float | None) -> list[dict]:
   m = batch * top_k
@@ -162,13 +174,7 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
       print(f"{name} B{batch} {impl}: declined ({cfg})", flush=True)
       continue
     jitted = jax.jit(fn)
-    if toy:
-      ms = common.time_jax_once(jitted, x, ws[0], sizes)
-      rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
-    else:
-      calls = max(TRACED_CALLS, copies)
-      ms = common.device_ms_cycling(jitted, [(x, w, sizes) for w in ws], reps=calls)
-      rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls")
+    ms = timed(jitted, rec, x, ws, sizes, toy)
     outputs[impl] = jitted(x, ws[0], sizes).astype(jnp.float32)
     rec.update(median_ms=round(ms, 4),
                floor_fraction=None if rec["floor_ms"] is None else round(rec["floor_ms"] / ms, 3))
@@ -226,13 +232,7 @@ def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets:
       records.append(rec)
       continue
     jitted = jax.jit(fn)
-    if toy:
-      ms = common.time_jax_once(jitted, x, weight_sets[0], sizes)
-      rec.update(timing="wall: one call after one warm-up (interpreter on CPU)")
-    else:
-      calls = max(TRACED_CALLS, len(weight_sets))
-      ms = common.device_ms_cycling(jitted, [(x, w, sizes) for w in weight_sets], reps=calls)
-      rec.update(timing=f"device: summed kernel time per call, trace of {calls} calls")
+    ms = timed(jitted, rec, x, weight_sets, sizes, toy)
     got = jitted(x, weight_sets[0], sizes).astype(jnp.float32)
     rec.update(median_ms=round(ms, 4), rel_l2_vs_reference=rel(got, want.astype(jnp.float32)),
                floor_fraction=None if rec["floor_ms"] is None else round(rec["floor_ms"] / ms, 3))
