@@ -109,7 +109,7 @@ with jax.set_mesh(mesh1):
             for s in (setup1, dataclasses.replace(setup1, cfg=plain))]
 out["same_program_at_data_1"] = jaxprs[0] == jaxprs[1]
 ref_leaves = {keys(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(ref["params"])}
-for data, expert in ((8, 1), (4, 2)):
+for data, expert in ((4, 2),):   # FSDP over data together with expert parallelism
   setup, state, losses, hlo = run(data, expert)
   r = out[f"{data}x{expert}"] = {"losses": losses}
   params = {keys(p): x for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
@@ -170,8 +170,8 @@ print("RESULT" + json.dumps(out))
 
 
 def test_fsdp_matches_single_device_and_shards_state():
-  """Losses, gradient norms and parameters equal the 1-device run's; state is split ~1/data per
-  device, optimizer leaves like their parameters; the scanned layers are gathered per unit;
+  """On a data 4 x expert 2 mesh: losses, gradient norms and parameters equal the 1-device
+  run's; state is split ~1/data per device, optimizer leaves like their parameters; the scanned layers are gathered per unit;
   per-head Muon needs no collective with heads or experts split."""
   env = cpu_env(8)
   res = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
@@ -180,7 +180,7 @@ def test_fsdp_matches_single_device_and_shards_state():
   out = json.loads(res.stdout.split("RESULT", 1)[1])
   assert out["same_program_at_data_1"], "FSDP rules changed the single-device step"
   assert out["muon_collectives"] == [], out["muon_collectives"]
-  for mesh, data in (("8x1", 8), ("4x2", 4)):
+  for mesh, data in (("4x2", 4),):
     r = out[mesh]
     for (loss, gnorm), (loss1, gnorm1) in zip(r["losses"], out["single"]):
       assert abs(loss - loss1) < 1e-5 * loss1 and abs(gnorm - gnorm1) < 1e-4 * gnorm1, (mesh, r)
