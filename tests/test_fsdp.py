@@ -171,8 +171,9 @@ print("RESULT" + json.dumps(out))
 
 def test_fsdp_matches_single_device_and_shards_state():
   """On a data 4 x expert 2 mesh: losses, gradient norms and parameters equal the 1-device
-  run's; state is split ~1/data per device, optimizer leaves like their parameters; the scanned layers are gathered per unit;
-  per-head Muon needs no collective with heads or experts split."""
+  run's; state is split ~1/data per device, optimizer leaves like their parameters; the
+  scanned layers are gathered per unit; per-head Muon needs no collective with heads or
+  experts split."""
   env = cpu_env(8)
   res = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
                        timeout=900, env=env)
