@@ -65,7 +65,8 @@
 #                                                          # 2026-12-02 B 1 alone took ~120 s a variant:
 #                                                          # 55-65 s of compiles per B)
 #   bash benchmarks/h200_baseline.sh mxfp4_gate_up        # ~4 min: the fused MXFP4 gate/up's GPU
-#                                                          # tests, k3_small's decode at B 16, 128k
+#                                                          # tests, its calls against the unfused
+#                                                          # ones, k3_small's decode at B 16, 128k
 #                                                          # with packed experts, with and without it
 #   bash benchmarks/h200_baseline.sh decode_paths         # ~3 min: k3_small decode at B 1, 4k: gathered
 #                                                          # MoE decode path, with the while loop in
@@ -360,16 +361,19 @@ PY
         --out=$OUT/moe_decode_h200.json 2>&1 | tee $OUT/moe_decode.log | grep -E "device|ms|declined"
       ;;
     mxfp4_gate_up)
-      # The fused MXFP4 gate/up kernel's GPU tests, then k3_small's decode at B 16, 128k with
-      # packed experts, with the kernel (kernels.gate_up_impl=triton) and without, one process
-      # each, records merged into $OUT/decode_h200.json.
+      # The fused MXFP4 gate/up kernel's GPU tests; its device time per call against the
+      # unfused calls at k3_small's decode shapes ($OUT/moe_decode_h200.json); k3_small's decode
+      # at B 16, 128k with packed experts fused (kernels.gate_up_impl=triton, Hopper's default)
+      # and unfused (xla), one process each, records merged into $OUT/decode_h200.json.
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GATE_UP_TEST_S:-120} python3 -m pytest -q \
         -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py -k triton_gate_up \
         2>&1 | tee $OUT/mxfp4_gate_up_tests.log | tail -8
-      for impl in triton ""; do
+      timeout ${GATE_UP_GEMM_S:-150} python3 -m benchmarks.moe_decode_gemm \
+        --shapes=k3_small_gate_up --out=$OUT/moe_decode_h200.json 2>&1 | grep -E "gate/up|Error"
+      for impl in triton xla; do
         timeout ${GATE_UP_DECODE_S:-90} python3 -m benchmarks.decode --variants=hybrid \
           --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 \
-          ${impl:+--gate_up_impl=$impl} --out=$OUT/decode_h200.json 2>&1 \
+          --gate_up_impl=$impl --out=$OUT/decode_h200.json 2>&1 \
           | tee -a $OUT/mxfp4_gate_up.log | grep -E "tpot|Error"
       done
       ;;

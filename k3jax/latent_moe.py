@@ -245,15 +245,18 @@ def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse:
   past sum(group_sizes) belong to no expert and give zero rows (the expert-parallel receive
   buffer's padding, `k3jax.expert_parallel`). qat: z and h quantized by `expert_input`; z per
   token row before the gather (the same as after it), so the fused kernel gathers quantized
-  rows. Packed weights take the unfused path, or with gate_up_impl "triton" the fused MXFP4
-  kernel (`pallas_kernels.mxfp4_matmul.mxfp4_gate_up`: gather, W1 / W3 and SiTU in one launch;
-  opt-in until timed on a GPU).
+  rows. Packed weights take the fused MXFP4 kernel (`pallas_kernels.mxfp4_matmul.mxfp4_gate_up`:
+  gather, W1 / W3 and SiTU in one launch) with gate_up_impl "triton", or None where its
+  platform default is that kernel (Hopper), else the unfused path.
   """
   top_k = weights.shape[1]
   z = expert_input(z, qat)
   packed = isinstance(w1, PackedWeight)
   if packed:
-    tier = "triton" if gate_up_impl == "triton" else "xla"
+    fuse = gate_up_impl == "triton" or gate_up_impl is None and mxfp4_matmul.plan_gate_up(
+        z, order // top_k, w1.packed, w1.scale, w3.packed, w3.scale, group_sizes,
+        interpret=interpret).impl == "triton"
+    tier = "triton" if fuse else "xla"
   else:
     tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
                             interpret=interpret).impl
@@ -516,7 +519,7 @@ class LatentMoE(nnx.Module):
   The shared experts are one SiTU-GLU MLP of width n_shared_experts * moe_intermediate_size.
   ragged_dot: the grouped matmul; gate_up_impl: the tier of `pallas_kernels.moe_gate_up` for
   the fused gather + W1/W3 + SiTU ("xla": unfused; None: the platform's default; with packed
-  experts only "triton" fuses, through `mxfp4_matmul.mxfp4_gate_up`);
+  experts "triton", or None on Hopper, fuses through `mxfp4_matmul.mxfp4_gate_up`);
   gate_up_train: how that kernel trains (`GATE_UP_TRAIN`, `fused_gate_up`).
   expert_parallel ("auto" | "off"): under a mesh with an `expert` axis of size > 1 (the
   abstract mesh of `jax.set_mesh`), "auto" routes and runs the experts through

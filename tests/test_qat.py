@@ -15,6 +15,7 @@ from k3jax import mx
 from k3jax import train
 from k3jax.model import K3ForCausalLM
 from mx_testing import np_fake_quantize
+from pallas_kernels.mxfp4_matmul import api as mx_api
 from pallas_kernels.mxfp4_matmul import triton as mx_triton
 
 B1, B2 = 4.0, 25.0
@@ -193,9 +194,10 @@ def test_fused_path_quantizes_before_the_gather_and_before_w2(monkeypatch):
 
 
 def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
-  """Packed experts with gate_up_impl="triton": the fused MXFP4 kernel (interpreted: the
-  gather, W1 / W3 and SiTU in one call; it ran, not the reference) then W2 equal the fp64 loop
-  over experts on the same MXFP4 weights to bf16 rounding, as does the unfused packed path."""
+  """Packed experts with gate_up_impl="triton", or None on Hopper: the fused MXFP4 kernel
+  (interpreted: the gather, W1 / W3 and SiTU in one call; it ran, not the reference) then W2
+  equal the fp64 loop over experts on the same MXFP4 weights to bf16 rounding, as does the
+  unfused packed path (gate_up_impl None elsewhere)."""
   rng = np.random.default_rng(9)
   n_tok, lat, mid, num_e = 10, 128, 64, 4
   z = jnp.asarray(rng.normal(size=(n_tok, lat)), jnp.bfloat16)
@@ -214,11 +216,15 @@ def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
   fused = lm.routed_experts(z, weights, experts, packed["w1"], packed["w3"], packed["w2"], B1,
                             B2, gate_up_impl="triton", interpret=True)
   assert ran and fused.dtype == jnp.bfloat16
+  args = (z, weights, experts, packed["w1"], packed["w3"], packed["w2"], B1, B2)
+  unfused = lm.routed_experts(*args, gate_up_impl=None, interpret=True)
+  assert len(ran) == 1
+  monkeypatch.setattr(mx_api, "gate_up_default_impls", lambda: ("triton", "reference"))
+  default = lm.routed_experts(*args, gate_up_impl=None, interpret=True)
+  assert len(ran) == 2
   want, _ = np_experts(np.asarray(z, np.float64), np.asarray(weights, np.float64),
                        np.asarray(experts), grid, qat=False)
-  unfused = lm.routed_experts(z, weights, experts, packed["w1"], packed["w3"], packed["w2"],
-                              B1, B2)
-  for got in (fused, unfused):
+  for got in (fused, unfused, default):
     got = np.asarray(got, np.float64)
     assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want)
 

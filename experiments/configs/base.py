@@ -75,7 +75,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn.kda_impl = ""  # "": best available for the platform
   kn.ragged_dot_impl = ""
   # MoE gather + W1/W3 + SiTU: "" best available, "xla" unfused; packed (MXFP4) experts fuse
-  # only with "triton" (mxfp4_gate_up; opt-in until timed on a GPU)
+  # through mxfp4_gate_up with "triton", or "" on Hopper
   kn.gate_up_impl = ""
   # Its training: "kernel" (also writes SiTU's partials), or "unfused" forward + VJP
   kn.gate_up_train = "kernel"

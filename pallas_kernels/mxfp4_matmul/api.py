@@ -33,8 +33,9 @@ The MoE experts' first product on packed W1 / W3 (report Eq. 11), for decoding:
   mxfp4_gate_up(x [N, K], rows [M], w1_packed, w1_scale, w3_packed, w3_scale [G, F, ...],
                 group_sizes [G], beta1, beta2)  -> h [M, F] = SiTU(x[rows] W1_g^T, x[rows] W3_g^T)
 tiers "reference" (gather, two reference products in fp32, `k3jax.situ.situ`) and "triton" (one
-launch: the gather, both products and SiTU, `triton.gate_up`); impl=None is the reference until
-the kernel's GPU tests have run (`GATE_UP_IMPLS`). Not differentiable.
+launch: the gather, both products and SiTU, `triton.gate_up`); impl=None: "triton" on Hopper
+(its GPU tests pass; 1.15-1.4x the unfused gather, two grouped calls and SiTU at k3_small's
+decode shapes, H100, 2026-12-07), the reference elsewhere. Not differentiable.
 
 Inference ops: differentiable with respect to x only (a custom VJP on every tier: d_x =
 d_out @ W through the reference's dequantization); the packed weights and scales are integer
@@ -251,6 +252,11 @@ def mxfp4_ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array,
 GATE_UP_IMPLS = ("reference", "triton")
 
 
+def gate_up_default_impls() -> tuple[str, ...]:
+  """`mxfp4_gate_up`'s tier order for impl=None on the default device."""
+  return ("triton", "reference") if _tier("mosaic_gpu").is_hopper() else ("reference",)
+
+
 def plan_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, *,
                  impl: str | None = None, interpret: bool = False) -> Plan:
   """The tier `mxfp4_gate_up` would use for these arguments (arrays or ShapeDtypeStructs)."""
@@ -266,7 +272,10 @@ def plan_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes,
                      f"{tuple(w3_packed.shape)}")
   if impl is not None and impl not in GATE_UP_IMPLS:
     raise ValueError(f"impl must be None or one of {GATE_UP_IMPLS}, got {impl!r}")
-  order = ("reference",) if impl in (None, "reference") else (impl, "reference")
+  if impl is None:
+    order = gate_up_default_impls()
+  else:
+    order = ("reference",) if impl == "reference" else (impl, "reference")
   return tiers.first_supported(
       order, lambda name: None if name == "reference" else _tier(name).supports_gate_up(
           x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, interpret=interpret),
@@ -279,9 +288,9 @@ def mxfp4_gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale:
                   interpret: bool = False) -> jax.Array:
   """h [M, F] = SiTU(x[rows] W1_g^T, x[rows] W3_g^T) in x's dtype from fp32 products, for the
   rows of group g (rows: token indices into x, sorted by group; rows past sum(group_sizes) give
-  zeros); W1 / W3 packed [G, F, K/2] with scales [G, F, K/32]. impl: None (the reference) or
-  one of GATE_UP_IMPLS; a kernel that declines the call runs the reference (see
-  `plan_gate_up`)."""
+  zeros); W1 / W3 packed [G, F, K/2] with scales [G, F, K/32]. impl: None ("triton" on Hopper,
+  else the reference) or one of GATE_UP_IMPLS; a kernel that declines the call runs the
+  reference (see `plan_gate_up`)."""
   p = plan_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, impl=impl,
                    interpret=interpret)
   _log_declines(p)

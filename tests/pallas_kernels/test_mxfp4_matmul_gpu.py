@@ -341,13 +341,15 @@ def test_triton_gate_up(k, f, m):
   """The fused MXFP4 gate/up kernel (`triton.gate_up`: each row's token gathered, W1 and W3
   dequantized and dotted, SiTU with tanh.approx) against the reference tier (gather, two
   fp32 products, `k3jax.situ`) over 8 experts of SIZES[m] rows (repeated and unused tokens, an
-  empty expert) and 5 rows past the groups (zeros); through the API, which must pick it."""
+  empty expert) and 5 rows past the groups (zeros); through the API, which must pick it, by
+  name and by default."""
   sizes, n = SIZES[m], 12
   x, p1, s1 = make(n, k, f, len(sizes), seed=k + m)
   _, p3, s3 = make(n, k, f, len(sizes), seed=k + m + 1)
   rows = jax.random.randint(jax.random.key(m), (m + 5,), 0, n - 1, jnp.int32)
   gs = jnp.asarray(sizes, jnp.int32)
-  assert plan_gate_up(x, rows, p1, s1, p3, s3, gs, impl="triton").impl == "triton"
+  for impl in ("triton", None):
+    assert plan_gate_up(x, rows, p1, s1, p3, s3, gs, impl=impl).impl == "triton", impl
   fn = jax.jit(mxfp4_gate_up, static_argnames=("beta1", "beta2", "impl"))
   ref = fn(x, rows, p1, s1, p3, s3, gs, beta1=4.0, beta2=2.0, impl="reference")
   out = fn(x, rows, p1, s1, p3, s3, gs, beta1=4.0, beta2=2.0, impl="triton")

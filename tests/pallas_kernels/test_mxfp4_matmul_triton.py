@@ -38,6 +38,7 @@ from pallas_kernels.mxfp4_matmul import plan
 from pallas_kernels.mxfp4_matmul import plan_gate_up
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
+from pallas_kernels.mxfp4_matmul import mosaic_gpu as mxfp4_mosaic_gpu
 from pallas_kernels.mxfp4_matmul import triton
 
 BF16_TOL = 1e-2
@@ -294,7 +295,7 @@ def test_gate_up_gathers_both_products_and_situ():
   """`triton.gate_up` (one kernel: the gather of each row's token, W1 and W3 dequantized and
   dotted, SiTU) against a float64 loop over the rows: tokens picked twice and never, an empty
   expert, rows past the groups (zeros); block_m 16 over a 20-row expert (two row blocks);
-  through the API with impl="triton" and, by default, the reference."""
+  through the API with impl="triton" and, by default off Hopper, the reference."""
   n, k, f, beta1, beta2 = 9, 256, 64, 4.0, 2.0
   sizes = (3, 0, 20, 1)
   m = sum(sizes) + 2
@@ -314,6 +315,19 @@ def test_gate_up_gathers_both_products_and_situ():
     h = mxfp4_gate_up(x, rows, *w1, *w3, gs, beta1=beta1, beta2=beta2, impl=impl,
                       interpret=True)
     assert rel_err(h, want) < BF16_TOL, impl
+
+
+def test_gate_up_default_is_the_kernel_on_hopper(monkeypatch):
+  """impl=None: the Triton kernel first on Hopper (the reference when it declines), the
+  reference elsewhere."""
+  x = activations(0, 4, 128)
+  rows = jnp.arange(8, dtype=jnp.int32) % 4
+  w, gs = weights(0, 2, 32, 128), jnp.asarray([5, 3], jnp.int32)
+  assert plan_gate_up(x, rows, *w, *w, gs, interpret=True).impl == "reference"
+  monkeypatch.setattr(mxfp4_mosaic_gpu, "is_hopper", lambda: True)
+  assert plan_gate_up(x, rows, *w, *w, gs, interpret=True).impl == "triton"
+  p = plan_gate_up(x.astype(jnp.float32), rows, *w, *w, gs, interpret=True)
+  assert p.impl == "reference" and p.declined[0][0] == "triton", p
 
 
 def test_gate_up_refusals():
