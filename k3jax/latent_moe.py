@@ -253,9 +253,9 @@ def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse:
   z = expert_input(z, qat)
   packed = isinstance(w1, PackedWeight)
   if packed:
-    fuse = gate_up_impl == "triton" or gate_up_impl is None and mxfp4_matmul.plan_gate_up(
+    fuse = gate_up_impl == "triton" or (gate_up_impl is None and mxfp4_matmul.plan_gate_up(
         z, order // top_k, w1.packed, w1.scale, w3.packed, w3.scale, group_sizes,
-        interpret=interpret).impl == "triton"
+        interpret=interpret).impl == "triton")
     tier = "triton" if fuse else "xla"
   else:
     tier = moe_gate_up.plan(z, order, w1, w3, group_sizes, impl=gate_up_impl,
