@@ -17,9 +17,10 @@ Rows (implementation):
   its floor counts the packed bytes (4.25 bits a weight), its error is against the MXFP4
   reference tier (`rel_l2_vs_reference`), not bf16 XLA.
 Gate/up shapes also run the packed experts' first product as the MoE does, from the B token
-rows (op "moe_decode_gate_up"): "unfused" (the copies gathered by XLA, the two calls above,
-SiTU by XLA) against `mxfp4_matmul.triton.gate_up` (gather, W1, W3 and SiTU in one launch) in
-its default config and in each of GATE_UP_CONFIGS; errors against the reference tier's gate/up.
+rows (op "moe_decode_gate_up"): "unfused" (the copies gathered as the MoE's dispatch does,
+`latent_moe.take_rows`, the two calls above, SiTU by XLA) against
+`mxfp4_matmul.triton.gate_up` (gather, W1, W3 and SiTU in one launch) in its default config
+and in each of GATE_UP_CONFIGS; errors against the reference tier's gate/up.
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
 that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
 touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
@@ -37,6 +38,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import common
+from k3jax import latent_moe
 from k3jax import mx
 from k3jax import situ
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
@@ -206,7 +208,7 @@ def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets:
   x = jax.random.normal(jax.random.key(batch), (batch, k), jnp.float32).astype(jnp.bfloat16)
 
   def unfused(x, parts, gs):
-    xs = jnp.take(x, rows, axis=0)
+    xs = latent_moe.take_rows(x, rows)
     gate, up = (mxfp4_ragged_dot(xs, *w, gs, impl=MXFP4_TOY_IMPL if toy else None,
                                  interpret=toy, preferred_element_type=jnp.float32)
                 for w in parts)

@@ -555,9 +555,8 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
   steps = x_ref.shape[1] // bk // cfg.split_k
   k_first = pl.program_id(2) * steps if cfg.split_k > 1 else 0
 
-  def row_block(r, carry):
-    r0 = first + r * bm
-    valid = (r0 + jnp.arange(bm) < end)[:, None]             # [bm, 1]
+  def row_block(r0, valid):
+    valid = valid[:, None]                                   # [bm, 1]
 
     def load(kk):
       """K step kk's packed tile [bn, nb, 16] and scales [bn, nb] (uint8), x's rows [bm, bk]."""
@@ -568,11 +567,7 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
 
     def step(kk, acc, tiles=None):
       p, s, x = load(kk) if tiles is None else tiles
-      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
-      w_even, w_odd = dequantize(p, s, cfg.dequant, interpret)
-      if cfg.swap:
-        return acc + _dot_t(w_even, x_even) + _dot_t(w_odd, x_odd)
-      return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
+      return _mma_step(acc, _halves(x), p, s, cfg, interpret)
 
     def fp8_step(kk, acc):
       k0 = _aligned(kk * bk, bk)
@@ -620,23 +615,54 @@ def _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg: Conf
       plgpu_triton.atomic_add(out_ref, tile, acc, mask=jnp.broadcast_to(valid, (bm, bn)))
     else:
       plgpu_triton.store(out_ref.at[tile], acc.astype(out_ref.dtype), mask=valid)
+
+  _row_blocks(first, end, bm, row_block)
+
+
+def _row_blocks(first, end, bm: int, body) -> None:
+  """body(r0, valid) for each block [r0, r0 + bm) of the rows [first, end) (any number >= 0);
+  valid [bm] marks the block's rows below end."""
+  def row_block(r, carry):
+    r0 = first + r * bm
+    body(r0, r0 + jnp.arange(bm) < end)
     return carry
 
   lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
+
+
+def _halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x's rows [bm, bk] -> (even columns, odd columns), each [bm, bk / 2]: the low and high
+  nibbles' partners."""
+  return lax.unstack(x.reshape(x.shape[0], x.shape[1] // 2, 2), axis=2)
+
+
+def _mma_step(acc, x_halves, p, s, cfg: Config, interpret: bool):
+  """acc + x @ W^T for one K step (acc + W @ x^T with cfg.swap): W's packed tile p [bn, nb,
+  16] and scales s [bn, nb] dequantized, dotted with x's halves (`_halves`) on the MMA."""
+  (x_even, x_odd), (w_even, w_odd) = x_halves, dequantize(p, s, cfg.dequant, interpret)
+  if cfg.swap:
+    return acc + _dot_t(w_even, x_even) + _dot_t(w_odd, x_odd)
+  return acc + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd)
 
 
 def _zero_rows(first, end, out_ref, n0, cfg: Config):
   """out[first:end, n0:n0 + bn] = 0."""
   bm, bn = cfg.block_m, cfg.block_n
 
-  def row_block(r, carry):
-    r0 = first + r * bm
-    valid = (r0 + jnp.arange(bm) < end)[:, None]
+  def row_block(r0, valid):
+    valid = valid[:, None]
     plgpu_triton.store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)],
                        jnp.zeros((bm, bn), out_ref.dtype), mask=valid)
-    return carry
 
-  lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
+  _row_blocks(first, end, bm, row_block)
+
+
+def _group_slots(past, m: int, out_ref, n0, cfg: Config, rows) -> None:
+  """A grouped kernel's slot t = program_id(1) below the last runs rows() (its group's rows);
+  the last slot zeros out's rows [past, m), past every group."""
+  t, last = pl.program_id(1), pl.num_programs(1) - 1
+  pl.when(t < last)(rows)
+  pl.when(t == last)(lambda: _zero_rows(past, m, out_ref, n0, cfg))
 
 
 def _x_factors(refs, cfg: Config):
@@ -664,19 +690,12 @@ def _grouped_kernel(gs_ref, x_ref, p_ref, s_ref, *refs, cfg: Config, interpret: 
   m = x_ref.shape[0]
   n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
   group, first, end, past = _slot_group(gs_ref, p_ref.shape[0], m)
-  xs_ref = _x_factors(refs, cfg)
+  rows = functools.partial(_rows, first, end, x_ref, _x_factors(refs, cfg), p_ref, s_ref,
+                           out_ref, group, n0, cfg, interpret)
   if cfg.split_k > 1:
-    _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
-    return
-  t, last = pl.program_id(1), pl.num_programs(1) - 1
-
-  @pl.when(t < last)
-  def _():
-    _rows(first, end, x_ref, xs_ref, p_ref, s_ref, out_ref, group, n0, cfg, interpret)
-
-  @pl.when(t == last)
-  def _():
-    _zero_rows(past, m, out_ref, n0, cfg)
+    rows()
+  else:
+    _group_slots(past, m, out_ref, n0, cfg, rows)
 
 
 def _slot_group(gs_ref, g: int, m: int):
@@ -772,29 +791,22 @@ def _gate_up_rows(first, end, rows_ref, x_ref, weights, h_ref, group, n0, cfg: C
   nb = bk // BLOCK
   steps = x_ref.shape[1] // bk
 
-  def row_block(r, carry):
-    r0 = first + r * bm
-    valid = r0 + jnp.arange(bm) < end
+  def row_block(r0, valid):
     tokens = plgpu_triton.load(rows_ref.at[pl.ds(r0, bm)], mask=valid, other=0)
 
     def step(kk, acc):
-      x = x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)]      # [bm, bk], one row a token
-      x_even, x_odd = lax.unstack(x.reshape(bm, bk // 2, 2), axis=2)
+      x = _halves(x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)])   # one row a token
       blocks = pl.ds(_aligned(kk * nb, nb), nb)
-      out = []
-      for (p_ref, s_ref), a in zip(weights, acc):
-        w_even, w_odd = dequantize(p_ref[group, pl.ds(n0, bn), blocks, :],
-                                   s_ref[group, pl.ds(n0, bn), blocks], cfg.dequant, interpret)
-        out.append(a + _dot_t(x_even, w_even) + _dot_t(x_odd, w_odd))
-      return tuple(out)
+      return tuple(_mma_step(a, x, p_ref[group, pl.ds(n0, bn), blocks, :],
+                             s_ref[group, pl.ds(n0, bn), blocks], cfg, interpret)
+                   for (p_ref, s_ref), a in zip(weights, acc))
 
     zeros = jnp.zeros((bm, bn), jnp.float32)
     gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
     plgpu_triton.store(h_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)],
                        situ(gate, up).astype(h_ref.dtype), mask=valid[:, None])
-    return carry
 
-  lax.fori_loop(0, pl.cdiv(end - first, bm), row_block, 0)
+  _row_blocks(first, end, bm, row_block)
 
 
 def _gate_up_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, h_ref, *,
@@ -804,16 +816,9 @@ def _gate_up_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, h_r
   m = rows_ref.shape[0]
   n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
   group, first, end, past = _slot_group(gs_ref, p1_ref.shape[0], m)
-  t, last = pl.program_id(1), pl.num_programs(1) - 1
-
-  @pl.when(t < last)
-  def _():
-    _gate_up_rows(first, end, rows_ref, x_ref, ((p1_ref, s1_ref), (p3_ref, s3_ref)), h_ref,
-                  group, n0, cfg, situ, interpret)
-
-  @pl.when(t == last)
-  def _():
-    _zero_rows(past, m, h_ref, n0, cfg)
+  _group_slots(past, m, h_ref, n0, cfg, lambda: _gate_up_rows(
+      first, end, rows_ref, x_ref, ((p1_ref, s1_ref), (p3_ref, s3_ref)), h_ref, group, n0, cfg,
+      situ, interpret))
 
 
 def supports_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes, *,
