@@ -333,7 +333,8 @@ def test_hopper_defaults_follow_the_rows(monkeypatch):
   """On Hopper the default tier follows the rows: dense, the Triton kernel at one row, the
   reference from 2 to 7 rows, the Triton kernel from 8 to 16 and the unpacked tier above;
   grouped, the Triton kernel up to 8 rows per expert (the Mosaic GPU kernel where it declines),
-  the Mosaic GPU kernel below 128, unpacked from 128; never unpacked where the bf16 weights would exceed UNPACKED_MAX_BYTES."""
+  the Mosaic GPU kernel below 128, unpacked from 128; never unpacked where the bf16 weights
+  would exceed UNPACKED_MAX_BYTES."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
   monkeypatch.setattr(mosaic_gpu, "num_sms", lambda interpret: 132)
   assert default_impls(grouped=False, m=1) == ("triton", "reference")

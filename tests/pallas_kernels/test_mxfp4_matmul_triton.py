@@ -31,6 +31,7 @@ from mxfp4_testing import oracle
 from mxfp4_testing import plant_overflow_and_nan
 from mxfp4_testing import rel_err
 from pallas_kernels.mxfp4_matmul import IMPLS
+from pallas_kernels.mxfp4_matmul import mosaic_gpu as mxfp4_mosaic_gpu
 from pallas_kernels.mxfp4_matmul import mxfp4_gate_up
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
 from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
@@ -38,7 +39,6 @@ from pallas_kernels.mxfp4_matmul import plan
 from pallas_kernels.mxfp4_matmul import plan_gate_up
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
-from pallas_kernels.mxfp4_matmul import mosaic_gpu as mxfp4_mosaic_gpu
 from pallas_kernels.mxfp4_matmul import triton
 
 BF16_TOL = 1e-2
