@@ -68,6 +68,9 @@
 #                                                          # tests, its calls against the unfused
 #                                                          # ones, k3_small's decode at B 16, 128k
 #                                                          # with packed experts, with and without it
+#   bash benchmarks/h200_baseline.sh decode_kernels       # ~2 min: one traced decode loop of k3_small
+#                                                          # (B 16, 128k, packed experts): parts and
+#                                                          # kernels by HLO op, largest first
 #   bash benchmarks/h200_baseline.sh decode_paths         # ~3 min: k3_small decode at B 1, 4k: gathered
 #                                                          # MoE decode path, with the while loop in
 #                                                          # command buffers, sorted path
@@ -410,6 +413,17 @@ PY
           ${DECODE_ARGS:-} --out=$OUT/decode_h200.json 2>&1 | tee -a $OUT/decode.log \
           | grep -E "device|tpot|Error"
       done
+      ;;
+    decode_kernels)
+      # Where k3_small's decode step goes at B 16, 128k with packed experts: one traced loop,
+      # its parts ($OUT/prof/hybrid_B16/parts.json) and its kernels by HLO op
+      # ($OUT/decode_kernels.txt), largest first.
+      timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode --variants=hybrid \
+        --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 --new_tokens=9 \
+        --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 | grep -E "tpot|Error"
+      python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=120 \
+        > $OUT/decode_kernels.txt 2>&1
+      head -12 $OUT/decode_kernels.txt | cut -c1-160
       ;;
     decode_paths)
       # k3_small's decode at B 1, context 4096, decode only: the MoE's gathered decode path,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from experiments.configs import base
+from k3jax import muon
 
 _CHOICES = {
     "model.kda.gate": ("lower_bound", "softplus"),
@@ -112,6 +113,16 @@ def layer_types(model_cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
   return tuple("mla" if i + 1 in full else "kda" for i in range(model_cfg.num_layers))
 
 
+def _check_schedule(t: ml_collections.ConfigDict) -> None:
+  """`muon.cosine_schedule_args`' checks, naming the train.* field."""
+  fields = {"total_steps": "train.steps", "warmup_frac": "train.warmup_frac",
+            "final_frac": "train.final_lr_frac"}
+  try:
+    muon.cosine_schedule_args(t.learning_rate, t.steps, t.warmup_frac, t.final_lr_frac)
+  except ValueError as e:
+    raise ConfigError(next(f for k, f in fields.items() if k in str(e)), str(e)) from None
+
+
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks `cfg` against the schema and its internal consistency; returns it."""
   _check_keys(cfg, base.get_base_config(), "")
@@ -130,6 +141,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "model.mtp_num_layers", "model.mla.q_lora_rank", "model.mla.qk_rope_head_dim",
                 "model.moe.num_experts", "model.moe.latent_size", "model.moe.n_shared_experts",
                 "data.default_num_docs", "data.num_workers")
+  _check_schedule(cfg.train)
   _bool(cfg, "model.moe.qat")
   _bool(cfg, "train.muon_ns_fold")
   _bool(cfg, "train.muon_ns_stack")

@@ -145,7 +145,10 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
   jitted = jax.jit(train.make_train_step(setup), donate_argnums=0,
                    out_shardings=(state_shardings, None),
                    compiler_options=train.compiler_options(cfg))
-
+  # The schedule as arrays: runs of any length or learning rate share the compiled step.
+  schedule = jax.device_put({k: np.asarray(v, np.float32)
+                             for k, v in train.schedule_args(t).items()},
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   compiled = None
 
   def step_fn(state, batch):
@@ -153,10 +156,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: str,
     with jax.set_mesh(mesh):  # traced with the mesh: FSDP gathers, model code's shard_maps
       if compiled is None:  # compiled ahead, its Mosaic GPU kernels built in parallel meanwhile
         compiled, report = mosaic_gpu_prebuild.compile(
-            jitted.trace(state, batch).lower(), prebuild=cfg.kernels.prebuild_mosaic_gpu)
+            jitted.trace(state, batch, schedule).lower(),
+            prebuild=cfg.kernels.prebuild_mosaic_gpu)
         if report:
           say(str(report))
-      return compiled(state, batch)
+      return compiled(state, batch, schedule)
 
   checkpoint.install_sigterm_handler()
   flops_per_token = flops.train_flops_per_token(cfg.model, t.seq_len, counts)

@@ -578,22 +578,43 @@ def _scoped(name: str, tx: optax.GradientTransformation
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def cosine_schedule(peak_lr: float, total_steps: int, warmup_frac: float = 0.01,
-                    final_frac: float = 0.1) -> optax.Schedule:
-  """Linear warmup over `warmup_frac` of the steps, cosine to final_frac*peak.
-
-  K3 ([TR] §3.3): cosine with 1% warmup.
-  """
+def cosine_schedule_args(peak_lr: float, total_steps: int, warmup_frac: float = 0.01,
+                         final_frac: float = 0.1) -> dict[str, float | int]:
+  """`cosine_lr`'s arguments, checked: linear warmup over `warmup_frac` of the steps (at least
+  one), then cosine to final_frac * peak at `total_steps`. K3 ([TR] §3.3): 1% warmup."""
   if total_steps < 1:
     raise ValueError(f"total_steps must be >= 1, got {total_steps}")
   if not 0.0 <= warmup_frac < 1.0:
     raise ValueError(f"warmup_frac must be in [0, 1), got {warmup_frac}")
   if not 0.0 <= final_frac <= 1.0:
     raise ValueError(f"final_frac must be in [0, 1], got {final_frac}")
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak_lr,
-      warmup_steps=max(1, round(warmup_frac * total_steps)),
-      decay_steps=total_steps, end_value=final_frac * peak_lr)
+  warmup = max(1, round(warmup_frac * total_steps))
+  if total_steps <= warmup:
+    raise ValueError(f"total_steps must exceed the {warmup} warmup step(s), got {total_steps}")
+  return {"peak_lr": float(peak_lr), "warmup_steps": warmup, "total_steps": int(total_steps),
+          "final_lr": float(final_frac * peak_lr)}
+
+
+def cosine_lr(count: jax.Array, args: dict[str, Any]) -> jax.Array:
+  """The learning rate at step `count` of the schedule `args` (`cosine_schedule_args`; report
+  §3.3): `optax.warmup_cosine_decay_schedule`'s values from 0. The arguments may be traced
+  arrays, so that one compiled train step serves runs of any length or peak (optax checks its
+  step counts in Python, so its schedules bake them into the program)."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  count, peak, end = f32(count), f32(args["peak_lr"]), f32(args["final_lr"])
+  warmup, decay = f32(args["warmup_steps"]), f32(args["total_steps"]) - f32(args["warmup_steps"])
+  warm = -peak * (1 - jnp.clip(count, 0, warmup) / warmup) + peak
+  alpha = jnp.where(peak == 0, 0.0, end / jnp.where(peak == 0, 1.0, peak))
+  t = jnp.minimum(count - warmup, decay)
+  cosine = peak * ((1 - alpha) * (0.5 * (1 + jnp.cos(jnp.pi * t / decay))) + alpha)
+  return jnp.where(count < warmup, warm, cosine)
+
+
+def cosine_schedule(peak_lr: float, total_steps: int, warmup_frac: float = 0.01,
+                    final_frac: float = 0.1) -> optax.Schedule:
+  """`cosine_lr` with its arguments fixed (`cosine_schedule_args`'s checks)."""
+  args = cosine_schedule_args(peak_lr, total_steps, warmup_frac, final_frac)
+  return lambda count: cosine_lr(count, args)
 
 
 _QK_CLIP_TARGETS = ("q_b_proj", "q_proj", "kv_b_proj")

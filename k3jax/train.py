@@ -22,10 +22,18 @@ from k3jax.model import K3ForCausalLM
 TrainState = dict[str, Any]
 
 
-def make_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
-  """Cosine with 1% linear warmup (report §3.3)."""
-  return muon.cosine_schedule(train_cfg.learning_rate, train_cfg.steps,
-                              train_cfg.warmup_frac, train_cfg.final_lr_frac)
+def schedule_args(train_cfg: ml_collections.ConfigDict) -> dict[str, float | int]:
+  """The learning-rate schedule's numbers (`muon.cosine_schedule_args`): cosine with 1% linear
+  warmup (report §3.3). `make_train_step`'s step takes them as arrays."""
+  return muon.cosine_schedule_args(train_cfg.learning_rate, train_cfg.steps,
+                                   train_cfg.warmup_frac, train_cfg.final_lr_frac)
+
+
+def make_schedule(train_cfg: ml_collections.ConfigDict,
+                  args: dict[str, Any] | None = None) -> optax.Schedule:
+  """`muon.cosine_lr` of `args` (default: `schedule_args(train_cfg)`, constants)."""
+  args = schedule_args(train_cfg) if args is None else args
+  return lambda count: muon.cosine_lr(count, args)
 
 
 def _decay_mask(params):
@@ -38,9 +46,12 @@ def muon_mode(train_cfg: ml_collections.ConfigDict) -> str | None:
   return {"muon": "per_head", "muon_whole": "whole"}.get(train_cfg.optimizer)
 
 
-def make_optimizer(train_cfg: ml_collections.ConfigDict, params) -> optax.GradientTransformation:
-  """Clip by global norm, then AdamW or per-head Muon (+ AdamW for the rest)."""
-  lr = make_schedule(train_cfg)
+def make_optimizer(train_cfg: ml_collections.ConfigDict, params,
+                   lr: optax.Schedule | None = None) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW or per-head Muon (+ AdamW for the rest), at the learning
+  rate `lr` (default: `make_schedule(train_cfg)`). The state's structure does not depend on
+  `lr`."""
+  lr = make_schedule(train_cfg) if lr is None else lr
   if train_cfg.optimizer == "adamw":
     opt = optax.adamw(lr, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
                       weight_decay=train_cfg.weight_decay, mask=_decay_mask)
@@ -190,21 +201,25 @@ def accumulated_grads(params, buffers, graphdef, batch: dict[str, jax.Array], st
   return (loss / steps, (aux, lm_loss / steps)), jax.tree.map(lambda g: g / steps, grads)
 
 
-def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """The jittable step: forward, backward, optimizer, QK-Clip, MoE bias update.
+def make_train_step(setup: Setup) -> Callable[..., tuple[TrainState, dict]]:
+  """The jittable step(state, batch, schedule=None): forward, backward, optimizer, QK-Clip,
+  MoE bias update.
 
+  `schedule`: `schedule_args(cfg.train)` as arrays (`launch.train` passes them), so that runs of
+  any length or learning rate share one compiled step; None bakes cfg.train's into the program.
   Jit it under `jax.set_mesh(mesh)` for a mesh with `data` > 1: the scanned layers' parameters
   are then gathered per unit (FSDP, `k3jax.sharding.fsdp_gather`)."""
   cfg = setup.cfg
-  schedule = make_schedule(cfg.train)
   clip = cfg.train.optimizer != "adamw" and cfg.train.qk_clip_tau > 0
 
-  def step(state: TrainState, batch: dict[str, jax.Array]):
+  def step(state: TrainState, batch: dict[str, jax.Array], schedule: dict | None = None):
+    lr = make_schedule(cfg.train, schedule)
+    tx = setup.tx if schedule is None else make_optimizer(cfg.train, state["params"], lr)
     with sharding.logical_axis_rules(cfg.mesh.logical_axis_rules):  # for sharding.fsdp_gather
       (loss, (aux, lm_loss)), grads = accumulated_grads(
           state["params"], state["buffers"], setup.graphdef, batch, cfg.train.grad_accum_steps)
     with jax.named_scope("optimizer"):
-      updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
       params = optax.apply_updates(state["params"], updates)
     max_logits = {("mtp.layer" if i == cfg.model.num_layers else f"layers.{i}") + ".self_attn":
                   a["mla_max_logit"] for i, a in aux.items() if "mla_max_logit" in a}
@@ -217,7 +232,7 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, dict], tuple[TrainSta
       buffers = update_moe_biases(state["buffers"], aux, cfg.model)
     with jax.named_scope("metrics"):
       metrics = {"loss": loss, "lm_loss": lm_loss, "grad_norm": optax.global_norm(grads),
-                 "learning_rate": schedule(state["step"]), **moe_metrics(aux)}
+                 "learning_rate": lr(state["step"]), **moe_metrics(aux)}
     if cfg.model.mtp_num_layers:
       metrics["mtp_loss"] = aux[cfg.model.num_layers]["mtp_loss"]
     if max_logits:

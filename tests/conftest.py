@@ -27,8 +27,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 
 @pytest.fixture(scope="session")
-def jax_cache_dir(tmp_path_factory) -> str:
-  """One JAX compilation cache for the `launch.train` runs of this test process (a pytest-xdist
-  worker), so that runs of the same config compile their step once; never the user's
-  ~/.cache/k3jax (the launch programs' default)."""
-  return str(tmp_path_factory.mktemp("jax_cache"))
+def jax_cache_dir() -> str:
+  """The run's shared compilation cache (above) for the `launch.train` runs' --jax_cache_dir,
+  never the user's ~/.cache/k3jax (the launch programs' default): runs of the same config in
+  either worker compile their step once."""
+  return os.environ["JAX_COMPILATION_CACHE_DIR"]

@@ -8,6 +8,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -112,6 +113,28 @@ def test_grad_accumulation_equals_the_whole_batch():
   for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=2e-4, atol=2e-5)
+
+
+def test_schedule_as_arrays_serves_any_run_length_with_one_program():
+  """With the schedule's numbers as arrays (as `launch.train` passes them) the step's program
+  does not depend on train.steps or the learning rate, and its learning rate is optax's
+  warmup-cosine schedule at the state's step."""
+  runs = [{**SMALL, "train.steps": 6}, {**SMALL, "train.steps": 40, "train.learning_rate": 0.02}]
+  cfgs = [config.load("experiments/configs/k3_tiny.py", o) for o in runs]
+  batch = _batch(4, 64)
+  texts = []
+  for cfg in cfgs:
+    setup, state = train.init(cfg, 0)
+    args = {k: np.float32(v) for k, v in train.schedule_args(cfg.train).items()}
+    texts.append(jax.jit(train.make_train_step(setup)).lower(state, batch, args).as_text())
+  assert texts[0] == texts[1]
+  state["step"] = state["step"] + 7
+  new, metrics = jax.jit(train.make_train_step(setup))(state, batch, args)
+  t = cfgs[1].train
+  want = optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, 1, t.steps,
+                                            t.final_lr_frac * t.learning_rate)(7)
+  np.testing.assert_allclose(metrics["learning_rate"], want, rtol=1e-6)
+  assert jax.tree.structure(new["opt_state"]) == jax.tree.structure(state["opt_state"])
 
 
 def test_exact_quantile_balancing_trains_and_refuses_accumulation():
