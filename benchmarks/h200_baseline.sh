@@ -416,11 +416,12 @@ PY
       ;;
     decode_kernels)
       # Where k3_small's decode step goes at B 16, 128k with packed experts: one traced loop,
-      # its parts ($OUT/prof/hybrid_B16/parts.json) and its kernels by HLO op
-      # ($OUT/decode_kernels.txt), largest first.
+      # its parts ($OUT/prof/hybrid_B16/parts.json, printed in $OUT/decode_kernels.log) and
+      # its kernels by HLO op ($OUT/decode_kernels.txt), largest first.
       timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode --variants=hybrid \
         --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 --new_tokens=9 \
-        --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 | grep -E "tpot|Error"
+        --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 \
+        | tee $OUT/decode_kernels.log | grep -E "tpot|Error"
       python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=120 \
         > $OUT/decode_kernels.txt 2>&1
       head -12 $OUT/decode_kernels.txt | cut -c1-160
