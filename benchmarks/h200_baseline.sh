@@ -68,6 +68,9 @@
 #                                                          # tests, its calls against the unfused
 #                                                          # ones, k3_small's decode at B 16, 128k
 #                                                          # with packed experts, with and without it
+#   bash benchmarks/h200_baseline.sh moe_decode_configs   # ~4 min: the Triton tier's decode candidates
+#                                                          # at k3_small's decode shapes (grouped and
+#                                                          # fused gate/up), beside the defaults
 #   bash benchmarks/h200_baseline.sh decode_kernels       # ~2 min: one traced decode loop of k3_small
 #                                                          # (B 16, 128k, packed experts): parts and
 #                                                          # kernels by HLO op, largest first
@@ -413,6 +416,19 @@ PY
           ${DECODE_ARGS:-} --out=$OUT/decode_h200.json 2>&1 | tee -a $OUT/decode.log \
           | grep -E "device|tpot|Error"
       done
+      ;;
+    moe_decode_configs)
+      # The fused gate/up's GPU tests, then benchmarks/moe_decode_gemm.py's DECODE_CONFIGS at
+      # k3_small's decode shapes: the packed grouped products (rows mxfp4_<name>) and the fused
+      # gate/up (rows fused_<name>; swapped tiles are not its) beside the defaults.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GATE_UP_TEST_S:-120} python3 -m pytest -q \
+        -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py -k triton_gate_up \
+        2>&1 | tee $OUT/mxfp4_gate_up_tests.log | tail -3
+      all=n32_k256_ptx,n16_k512,n32_k512,n64_k512,n64_k256_w8,n128_k256_w8
+      timeout ${MOE_DECODE_CONFIGS_S:-300} python3 -m benchmarks.moe_decode_gemm \
+        --shapes=k3_small_gate_up,k3_small_down --grouped_configs=$all,swap64_k256,swap128_k256_w8 \
+        --gate_up_configs=$all --out=$OUT/moe_decode_h200.json 2>&1 \
+        | tee $OUT/moe_decode_configs.log | grep -E "mxfp4|gate/up|Error" | cut -c1-100
       ;;
     decode_kernels)
       # Where k3_small's decode step goes at B 16, 128k with packed experts: one traced loop,

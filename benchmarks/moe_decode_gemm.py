@@ -20,7 +20,9 @@ Gate/up shapes also run the packed experts' first product as the MoE does, from 
 rows (op "moe_decode_gate_up"): "unfused" (the copies gathered as the MoE's dispatch does,
 `latent_moe.take_rows`, the two calls above, SiTU by XLA) against
 `mxfp4_matmul.triton.gate_up` (gather, W1, W3 and SiTU in one launch) in its default config
-and in each of GATE_UP_CONFIGS; errors against the reference tier's gate/up.
+and in each of --gate_up_configs; errors against the reference tier's gate/up.
+`--grouped_configs` adds rows "mxfp4_<name>": the packed grouped products on the Triton tier in
+DECODE_CONFIGS' candidates (gate/up as two calls).
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
 that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
 touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
@@ -64,10 +66,27 @@ TOY_BATCHES = (2,)
 MXFP4_TOY_IMPL = "triton"        # --toy: the Triton tier in its interpreter (CPU's default is
                                  # the reference the row is checked against)
 L2_BYTES = 50 * 2 ** 20          # H200
-# The fused gate/up's candidates besides its default ("n64_ptx"): half the columns a program,
-# 168 registers against 231 (sm_90a, K 1024, F 512), more programs resident per SM. H100,
-# 2026-12-07: faster from 1 token (8.3 against 9.5 us), slower from 16 (28.2 against 26.2).
-GATE_UP_CONFIGS = {"n32_k256_ptx": mxfp4_triton.Config(block_n=32, block_k=256, dequant="ptx")}
+# Candidates of the Triton tier at decoding shapes besides its default ("n64_ptx"), named by
+# --grouped_configs (rows "mxfp4_<name>": the packed grouped products, gate/up as two calls) and
+# --gate_up_configs (rows "fused_<name>"; MMA tiles only). At k3_small's K 512 the default's
+# programs run two K steps each, so their count and size, not the K pipeline, set the time.
+# n32_k256_ptx (fused gate/up, H100, 2026-12-07): faster from 1 token (8.3 against 9.5 us),
+# slower from 16 (28.2 against 26.2); 168 registers against 231 (sm_90a, K 1024, F 512).
+_Config = mxfp4_triton.Config
+DECODE_CONFIGS = {
+    "n32_k256_ptx": _Config(block_n=32, block_k=256, dequant="ptx"),
+    "n16_k512": _Config(block_n=16, block_k=512, dequant="ptx"),
+    "n32_k512": _Config(block_n=32, block_k=512, dequant="ptx"),
+    "n64_k512": _Config(block_n=64, block_k=512, dequant="ptx"),
+    "n64_k256_w8": _Config(block_n=64, block_k=256, num_warps=8, dequant="ptx"),
+    "n128_k256_w8": _Config(block_n=128, block_k=256, num_warps=8, dequant="ptx"),
+    "swap64_k256": _Config(block_n=64, block_k=256, swap=True, dequant="ptx"),
+    "swap128_k256_w8": _Config(block_n=128, block_k=256, num_warps=8, swap=True, dequant="ptx"),
+}
+_GROUPED_CONFIGS = flags.DEFINE_list(
+    "grouped_configs", [], f"DECODE_CONFIGS for the packed grouped rows: {sorted(DECODE_CONFIGS)}")
+_GATE_UP_CONFIGS = flags.DEFINE_list(
+    "gate_up_configs", ["n32_k256_ptx"], "DECODE_CONFIGS for the fused gate/up rows.")
 BETAS = (4.0, 2.0)               # SiTU's beta1, beta2 (any: the timing does not depend on them)
 TRACED_CALLS = 40
 KEY_FIELDS = ("op", "implementation", "shape", "device")
@@ -86,10 +105,10 @@ def routed_sizes(batch: int, top_k: int, groups: int, seed: int = 0) -> np.ndarr
 
 
 def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
-  """name -> (fn(x, w, sizes), config or None)."""
+  """name -> (fn(x, w, sizes), config, or the reason a config cannot run, or None)."""
   bf16 = jnp.bfloat16
   swapped = mosaic_gpu.swapped_config(m, k, n, g, bf16, bf16)
-  return {
+  impls = {
       "ws": (lambda x, w, gs: ragged_dot(x, w, gs, impl="mosaic_gpu", interpret=toy), None),
       "swapped": (lambda x, w, gs: mosaic_gpu.gmm(x, w, gs, interpret=toy, config=swapped),
                   swapped),
@@ -98,6 +117,12 @@ def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
           [mxfp4_ragged_dot(x, *w, gs, impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
            for w in parts], axis=1), None),
   }
+  for name in _GROUPED_CONFIGS.value:
+    cfg = mxfp4_triton.fit(DECODE_CONFIGS[name], k)
+    impls[f"mxfp4_{name}"] = (lambda x, parts, gs, cfg=cfg: jnp.concatenate(
+        [mxfp4_triton.ragged_dot(x, *w, gs, interpret=toy, config=cfg) for w in parts],
+        axis=1), cfg)
+  return impls
 
 
 @jax.jit
@@ -161,17 +186,22 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
               versions=common.versions(), xla_flags=os.environ.get("XLA_FLAGS", ""))
   records, outputs = [], {}
   for impl, (fn, cfg) in implementations(m, k, n, g, toy).items():
-    kind = "mxfp4" if impl == "mxfp4" else "bf16"
+    kind = "mxfp4" if impl.startswith("mxfp4") else "bf16"
     ws = weight_sets[kind]
     rec = dict(base, implementation=impl, config=None if cfg is None else str(cfg))
     records.append(rec)
     if impl == "ws":
       p = plan(x, weights[0], sizes, impl="mosaic_gpu", interpret=toy)
       rec.update(tier=p.forward, note="; ".join(r for _, _, r in p.declined))
-    if kind == "mxfp4":
+    if impl == "mxfp4":
       p = mxfp4_plan(x, *ws[0][0], sizes, impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
-      rec.update(tier=p.impl, note="; ".join(f"{t}: {r}" for t, r in p.declined),
-                 floor_bytes=floors[kind], floor_ms=floor_ms(floors[kind]))
+      rec.update(tier=p.impl, note="; ".join(f"{t}: {r}" for t, r in p.declined))
+    elif kind == "mxfp4":
+      rec.update(tier="triton")
+      cfg = mxfp4_triton.supports_ragged_dot(x, *ws[0][0], sizes, interpret=toy,
+                                             config=cfg) or cfg
+    if kind == "mxfp4":
+      rec.update(floor_bytes=floors[kind], floor_ms=floor_ms(floors[kind]))
     if isinstance(cfg, str):
       rec.update(error=cfg)
       print(f"{name} B{batch} {impl}: declined ({cfg})", flush=True)
@@ -189,7 +219,7 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
                            floor_ms, toy, rel)
   for rec in records:
     impl = rec["implementation"]
-    if impl == "mxfp4" and impl in outputs:
+    if impl.startswith("mxfp4") and impl in outputs:
       want = jnp.concatenate([reference_output(x, *w, sizes)
                               for w in weight_sets["mxfp4"][0]], axis=1)
       rec["rel_l2_vs_reference"] = rel(outputs[impl], want)
@@ -201,7 +231,7 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
 def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets: list,
                 floor_bytes: int, floor_ms: Callable, toy: bool, rel: Callable) -> list[dict]:
   """The packed experts' gate/up from the B token rows: "unfused" against the fused kernel in
-  its default config and GATE_UP_CONFIGS (op "moe_decode_gate_up"; module docstring)."""
+  its default config and --gate_up_configs (op "moe_decode_gate_up"; module docstring)."""
   picks = routed_picks(batch, top_k, g)
   rows = jnp.asarray(np.argsort(picks, kind="stable") // top_k, jnp.int32)
   sizes = jnp.asarray(np.bincount(picks, minlength=g), jnp.int32)
@@ -220,8 +250,9 @@ def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets:
         config=config)
 
   impls = {"unfused": (unfused, None), "fused": (fused(None), None)}
-  impls.update({f"fused_{name}": (fused(mxfp4_triton.fit(cfg, k)), mxfp4_triton.fit(cfg, k))
-                for name, cfg in GATE_UP_CONFIGS.items()})
+  for name in _GATE_UP_CONFIGS.value:
+    cfg = mxfp4_triton.fit(DECODE_CONFIGS[name], k)
+    impls[f"fused_{name}"] = (fused(cfg), cfg)
   (w1, w3), = weight_sets[:1]
   want = mxfp4_reference.gate_up(x, rows, *w1, *w3, sizes, beta1=BETAS[0], beta2=BETAS[1])
   records = []
@@ -253,6 +284,10 @@ def main(argv):
   shapes = TOY_SHAPES if toy else SHAPES
   if unknown := set(_SHAPES.value or ()) - set(shapes):
     raise app.UsageError(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
+  for flag in (_GROUPED_CONFIGS, _GATE_UP_CONFIGS):
+    if unknown := set(flag.value) - set(DECODE_CONFIGS):
+      raise app.UsageError(f"--{flag.name}: unknown {sorted(unknown)}; choose from "
+                           f"{sorted(DECODE_CONFIGS)}")
   for name, (g, k, n, top_k) in shapes.items():
     if _SHAPES.value and name not in _SHAPES.value:
       continue

@@ -152,9 +152,13 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
 
 def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_path):
   out = tmp_path / "moe_decode.json"
-  run_module("benchmarks.moe_decode_gemm", "--toy", f"--out={out}")
+  run_module("benchmarks.moe_decode_gemm", "--toy", f"--out={out}",
+             "--grouped_configs=swap64_k256")
   recs = {r["implementation"]: r for r in records(out) if r["op"] == "moe_decode_gemm"}
-  assert set(recs) == {"ws", "swapped", "xla", "mxfp4"}
+  assert set(recs) == {"ws", "swapped", "xla", "mxfp4", "mxfp4_swap64_k256"}
+  swap = recs["mxfp4_swap64_k256"]    # a decode candidate of the Triton tier, its K fitted
+  assert "swap=True" in swap["config"] and "block_k=128" in swap["config"]
+  assert swap["rel_l2_vs_reference"] < 1e-2 and swap["floor_bytes"] == recs["mxfp4"]["floor_bytes"]
   gate_up = {r["implementation"]: r for r in records(out) if r["op"] == "moe_decode_gate_up"}
   assert set(gate_up) == {"unfused", "fused", "fused_n32_k256_ptx"}
   for r in gate_up.values():    # from the 2 token rows; against the reference tier's gate/up
