@@ -439,7 +439,7 @@ PY
         --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 --new_tokens=9 \
         --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 \
         | tee $OUT/decode_kernels.log | grep -E "tpot|Error"
-      python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=120 \
+      python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=700 \
         > $OUT/decode_kernels.txt 2>&1
       head -8 $OUT/decode_kernels.txt | cut -c1-130
       echo "device copies (MemcpyD2D) among the listed kernels: $(grep -c MemcpyD2D $OUT/decode_kernels.txt)"
