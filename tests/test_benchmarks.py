@@ -212,7 +212,7 @@ def test_gmm_costs_fit_recovers_step_and_tile_times():
 def test_train_step_benchmark_reports_throughput(tmp_path):
   out = tmp_path / "train.json"
   run_module("benchmarks.train_step", "--config=experiments/configs/k3_tiny.py", "--steps=1",
-             "--config.model.num_layers=4", "--config.model.full_attn_layers=(4,)",
+             "--config.model.num_layers=2", "--config.model.full_attn_layers=(2,)",
              "--config.train.global_batch_size=2", "--config.train.seq_len=64", f"--out={out}",
              f"--profile_dir={tmp_path}/trace",
              f"--compile_trace_dir={tmp_path}/compile", f"--jax_cache_dir={tmp_path}/cache")
@@ -236,7 +236,7 @@ def test_compile_parts_counts_the_kernels_of_each_part(tmp_path):
   out = tmp_path / "compile.json"
   run_module("benchmarks.compile_parts", "--config=experiments/configs/k3_tiny.py",
              "--config.train.global_batch_size=1", "--config.train.seq_len=32",
-             "--config.model.num_layers=4", "--config.model.full_attn_layers=(4,)", f"--out={out}")
+             "--config.model.num_layers=2", "--config.model.full_attn_layers=(2,)", f"--out={out}")
   (rec,) = records(out)
   parts = {p["part"]: p for p in rec["parts"]}
   assert rec["kernels"] == sum(p["kernels"] for p in parts.values()) > 0
@@ -249,7 +249,7 @@ def test_compile_parts_lower_only_records_trace_and_lowering(tmp_path):
   out = tmp_path / "lower.json"
   run_module("benchmarks.compile_parts", "--config=experiments/configs/k3_tiny.py", "--lower_only",
              "--config.train.global_batch_size=1", "--config.train.seq_len=32",
-             "--config.model.num_layers=4", "--config.model.full_attn_layers=(4,)", f"--out={out}")
+             "--config.model.num_layers=2", "--config.model.full_attn_layers=(2,)", f"--out={out}")
   (rec,) = records(out)
   assert rec["op"] == "lower_step" and rec["config"] == "k3_tiny" and "kernels" not in rec
   assert rec["trace_s"] > 0 and rec["lower_s"] > 0 and rec["stablehlo_lines"] > 100
