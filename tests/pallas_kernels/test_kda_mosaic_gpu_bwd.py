@@ -45,6 +45,8 @@ def fp64_outputs_and_grads(x: dict, segment_ids, cot, normalize_qk: bool = False
 
 
 BF16, F32 = jnp.bfloat16, jnp.float32
+# Heads of the single-shape tests below: one in the interpreter (CASES cover two), two compiled.
+HEADS = 1 if INTERPRET else 2
 CASES = [
     (1, 64, 2, 64, 64, False, 64, BF16),     # one chunk, no segments
     (1, 130, 2, 128, 128, True, 64, BF16),   # padded T, segments, 2 value blocks, K = 128
@@ -85,7 +87,7 @@ def test_backward_argument_is_checked():
 def test_l2_norm_in_kernel(backward):
   """use_qk_l2norm_in_kernel: raw q, k (not unit norm) normalised in the intra kernel; o, the
   final state and all gradients against the fp64 recurrence after an fp64 L2 norm."""
-  b, t, h, d = 1, 130, 2, 128
+  b, t, h, d = 1, 130, HEADS, 128
   x = reference.example_inputs(jax.random.key(11), b, t, h, d, d, gate="bounded",
                                with_initial_state=True)
   x["q"], x["k"] = (3.0 * x["q"] + 0.5).astype(BF16), (0.2 * x["k"] - 0.1).astype(BF16)
@@ -108,7 +110,7 @@ def test_l2_norm_in_kernel(backward):
 def test_strong_decay(backward):
   """g = -5 sigmoid(N(0, 1)), about -2.5 per token (benchmarks/kda.py's gate): dg is small
   next to the intra-chunk terms that cancel in it, the case that bf16 rounding hurts most."""
-  b, t, h, d = 1, 256, 2, 128
+  b, t, h, d = 1, 256, HEADS, 128
   x = reference.example_inputs(jax.random.key(3), b, t, h, d, d, gate="bounded",
                                with_initial_state=True)
   x["g"] = -5.0 * jax.nn.sigmoid(jax.random.normal(jax.random.key(4), x["g"].shape))
@@ -130,7 +132,7 @@ def test_saved_forward_outputs_give_the_recomputed_gradients():
   backward="kernel_intra" does) gives the gradients of recomputing them: the same parts, and
   S_n, V_new that differ only in rounding (the forward forms V_new = M (beta V - K_d S), the
   backward's walk U - W S)."""
-  b, t, h, d = 1, 130, 2, 128
+  b, t, h, d = 1, 130, HEADS, 128
   x = reference.example_inputs(jax.random.key(21), b, t, h, d, d, gate="bounded",
                                with_initial_state=True)
   args = (x["q"].astype(BF16), x["k"].astype(BF16), x["v"].astype(BF16), x["g"], x["beta"],
