@@ -108,7 +108,9 @@ def test_compilation_cache_serves_the_next_run(tmp_path):
   """A second run of the same config loads the train step from --jax_cache_dir (JAX logs the hit
   with JAX_LOG_COMPILES); an uncreatable cache directory is a short error naming the flag."""
   cache = tmp_path / "cache"
-  short = {"train.steps": 2, "train.checkpoint_every": 2}
+  # Two layers: the cache's mechanics, not the model, are under test (it compiles cold here).
+  short = {"train.steps": 2, "train.checkpoint_every": 2, "model.num_layers": 2,
+           "model.full_attn_layers": (2,), "model.attn_res_block_size": 1}
   first = _run(_train_cmd(tmp_path / "a", short, f"--jax_cache_dir={cache}"))
   assert first.returncode == 0, first.stderr[-3000:]
   stored = sorted(os.listdir(cache))
