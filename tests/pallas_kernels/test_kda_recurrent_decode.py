@@ -125,3 +125,19 @@ def test_supports_and_errors():
   with pytest.raises(ValueError, match="K, V"):
     recurrent_decode.fused_recurrent_kda_mosaic_gpu(*(wide[n] for n in NAMES), interpret=True)
   assert recurrent_decode.fused_recurrent_kda_mosaic_gpu(*args, interpret=True)[1] is None
+
+
+@pytest.mark.skipif(not ON_DEVICE, reason="compiles for the GPU (K3JAX_KDA_TEST_ON_DEVICE=1)")
+def test_decode_loop_updates_the_state_in_place():
+  """Compiled for the GPU, a loop carrying the state through the kernel (as the decode loop
+  does) copies no state: the kernel's final state is written over its initial state."""
+  b, h, d = 16, 8, 128
+  x = inputs(5, b, 1, h, d, d, dtype=jnp.bfloat16)
+
+  def loop(s):
+    return jax.lax.fori_loop(0, 4, lambda i, s: kernel(x, s)[1], s)
+
+  hlo = jax.jit(loop, donate_argnums=0).lower(x["h0"]).compile().as_text()
+  state = f"f32[{b},{h},{d},{d}]"
+  copies = [line for line in hlo.splitlines() if " copy(" in line and state in line]
+  assert not copies, copies[:3]
