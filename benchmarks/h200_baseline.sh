@@ -68,13 +68,13 @@
 #                                                          # tests, its calls against the unfused
 #                                                          # ones, k3_small's decode at B 16, 128k
 #                                                          # with packed experts, with and without it
-#   bash benchmarks/h200_baseline.sh moe_decode_configs   # ~4 min: the Triton tier's decode candidates
-#                                                          # at k3_small's decode shapes (grouped and
-#                                                          # fused gate/up), beside the defaults
-#   bash benchmarks/h200_baseline.sh decode_kernels       # ~2 min: one traced decode loop of k3_small
-#                                                          # (B 16, 128k, packed experts): parts and
-#                                                          # kernels by HLO op, largest first
-#   bash benchmarks/h200_baseline.sh kda_decode_tests     # ~1 min: the KDA decode kernel's GPU tests
+#   bash benchmarks/h200_baseline.sh moe_decode_configs   # ~4 min: the Triton tier's decode
+#                                                          # candidates at k3_small's decode shapes
+#                                                          # (grouped, fused gate/up) and defaults
+#   bash benchmarks/h200_baseline.sh decode_kernels       # ~2 min: one traced decode loop of
+#                                                          # k3_small (B 16, 128k, packed experts):
+#                                                          # parts and kernels by HLO op
+#   bash benchmarks/h200_baseline.sh kda_decode_tests     # ~1 min: the KDA decode kernel's tests
 #   bash benchmarks/h200_baseline.sh decode_paths         # ~3 min: k3_small decode at B 1, 4k: gathered
 #                                                          # MoE decode path, with the while loop in
 #                                                          # command buffers, sorted path
@@ -442,13 +442,13 @@ PY
       python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=700 \
         > $OUT/decode_kernels.txt 2>&1
       head -8 $OUT/decode_kernels.txt | cut -c1-130
-      echo "device copies (MemcpyD2D) among the listed kernels: $(grep -c MemcpyD2D $OUT/decode_kernels.txt)"
+      echo "device copies (MemcpyD2D) listed: $(grep -c MemcpyD2D $OUT/decode_kernels.txt)"
       grep -A14 "by part" $OUT/decode_kernels.log
       ;;
     kda_decode_tests)
       # The KDA decode kernel's tests compiled on the GPU (larger shapes added there).
-      K3JAX_KDA_TEST_ON_DEVICE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KDA_DECODE_TEST_S:-150} \
-        python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kda_recurrent_decode.py \
+      K3JAX_KDA_TEST_ON_DEVICE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        timeout ${KDA_DECODE_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kda_recurrent_decode.py \
         2>&1 | tee $OUT/kda_decode_tests.log | tail -3
       ;;
     decode_paths)
