@@ -448,7 +448,8 @@ PY
     kda_decode_tests)
       # The KDA decode kernel's tests compiled on the GPU (larger shapes added there).
       K3JAX_KDA_TEST_ON_DEVICE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-        timeout ${KDA_DECODE_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_kda_recurrent_decode.py \
+        timeout ${KDA_DECODE_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
+        tests/pallas_kernels/test_kda_recurrent_decode.py \
         2>&1 | tee $OUT/kda_decode_tests.log | tail -3
       ;;
     decode_paths)
