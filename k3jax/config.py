@@ -119,8 +119,9 @@ def _check_schedule(t: ml_collections.ConfigDict) -> None:
             "final_frac": "train.final_lr_frac"}
   try:
     muon.cosine_schedule_args(t.learning_rate, t.steps, t.warmup_frac, t.final_lr_frac)
-  except ValueError as e:
-    raise ConfigError(next(f for k, f in fields.items() if k in str(e)), str(e)) from None
+  except ValueError as e:   # each message starts with the argument's name
+    arg = next(k for k in fields if str(e).startswith(k))
+    raise ConfigError(fields[arg], str(e)[len(arg) + 1:]) from None
 
 
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
