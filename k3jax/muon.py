@@ -597,16 +597,15 @@ def cosine_schedule_args(peak_lr: float, total_steps: int, warmup_frac: float = 
 
 def cosine_lr(count: jax.Array, args: dict[str, Any]) -> jax.Array:
   """The learning rate at step `count` of the schedule `args` (`cosine_schedule_args`; report
-  §3.3): `optax.warmup_cosine_decay_schedule`'s values from 0. The arguments may be traced
-  arrays, so that one compiled train step serves runs of any length or peak (optax checks its
-  step counts in Python, so its schedules bake them into the program)."""
+  §3.3): `optax.warmup_cosine_decay_schedule`'s values from 0, to fp32 rounding. The arguments
+  may be traced arrays, so that one compiled train step serves runs of any length or peak
+  (optax checks its step counts in Python, so its schedules bake them into the program)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   count, peak, end = f32(count), f32(args["peak_lr"]), f32(args["final_lr"])
   warmup, decay = f32(args["warmup_steps"]), f32(args["total_steps"]) - f32(args["warmup_steps"])
-  warm = -peak * (1 - jnp.clip(count, 0, warmup) / warmup) + peak
-  alpha = jnp.where(peak == 0, 0.0, end / jnp.where(peak == 0, 1.0, peak))
+  warm = peak * jnp.clip(count, 0, warmup) / warmup
   t = jnp.minimum(count - warmup, decay)
-  cosine = peak * ((1 - alpha) * (0.5 * (1 + jnp.cos(jnp.pi * t / decay))) + alpha)
+  cosine = (peak - end) * 0.5 * (1 + jnp.cos(jnp.pi * t / decay)) + end
   return jnp.where(count < warmup, warm, cosine)
 
 
