@@ -11,8 +11,9 @@ TMA, its state block S [K, 64] from HBM into fp32 registers (WGMMA layout),
 walks the T tokens with elementwise fp32 updates and column reductions (no
 tensor cores: one token is a rank-1 update), writes each o_t [64] to HBM and
 the new state block at the end. The per-token prefactors (scale, beta, exp)
-are computed by XLA in fp32 before the kernel. The final state is a separate
-output (`plgpu.kernel` takes no input/output aliases).
+are computed by XLA in fp32 before the kernel. The final state is written over the initial
+state's buffer (the kernel writes a ref of it, which the lowering aliases), so a decode loop
+carrying the state updates it in place.
 Tested in the Mosaic GPU interpreter against the fp64 recurrence (relative RMS
 <= 3e-7 with fp32 inputs) and lowered for CUDA on CPU; compiled on an H200 it passes all its
 tests (2026-11-30).
@@ -60,9 +61,10 @@ def supports(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
   return None
 
 
-def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, h0_ref, o_ref, s_ref,
+def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, s_ref, o_ref,
           q_s, k_s, kb_s, dec_s, v_s, bar):
-  """The recurrence for one (value block, head, batch) over the call's tokens."""
+  """The recurrence for one (value block, head, batch) over the call's tokens; its state block
+  read from s_ref and the new one written back over it."""
   vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
   vcols = pl.ds(vt * BLOCK_V, BLOCK_V)
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, bar)
@@ -70,7 +72,7 @@ def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, h0_ref, o_ref, 
   plgpu.copy_gmem_to_smem(kb_ref.at[b, h], kb_s, bar)
   plgpu.copy_gmem_to_smem(dec_ref.at[b, h], dec_s, bar)
   plgpu.copy_gmem_to_smem(v_ref.at[b, h, :, vcols], v_s, bar)
-  s0 = plgpu.load(h0_ref.at[b, h, :, vcols], layout=_WG, optimized=False)
+  s0 = plgpu.load(s_ref.at[b, h, :, vcols], layout=_WG, optimized=False)
   shape = s0.shape
   plgpu.barrier_wait(bar)
 
@@ -91,19 +93,23 @@ def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, h0_ref, o_ref, 
 
 
 def _kernel(qs, k, kb, dec, v, h0, interpret):
-  """o [B, H, T, V] and the final state [B, H, K, V], fp32, from [B, H, T, .] fp32 rows."""
+  """o [B, H, T, V] and the final state [B, H, K, V], fp32, from [B, H, T, .] fp32 rows. The
+  kernel writes the final state over a ref of h0 (`jax.new_ref`), which the call's lowering
+  aliases to h0's buffer: a decode loop that carries the state updates it in place instead of
+  copying the kernel's output into the carry every step."""
   b, h, t, dk = k.shape
   dv = v.shape[-1]
   call = plgpu.kernel(
       functools.partial(_body, t),
-      out_type=(jax.ShapeDtypeStruct((b, h, t, dv), _F32),
-                jax.ShapeDtypeStruct((b, h, dk, dv), _F32)),
+      out_type=jax.ShapeDtypeStruct((b, h, t, dv), _F32),
       scratch_types=[plgpu.SMEM((t, dk), _F32), plgpu.SMEM((t, dk), _F32),
                      plgpu.SMEM((t, dk), _F32), plgpu.SMEM((t, dk), _F32),
                      plgpu.SMEM((t, BLOCK_V), _F32), plgpu.Barrier(num_arrivals=5)],
       grid=(dv // BLOCK_V, h, b), grid_names=("v", "h", "b"),
       compiler_params=_PARAMS, interpret=interpret, kernel_name="kda_recurrent_decode")
-  return call(qs, k, kb, dec, v, h0)
+  state = jax.new_ref(h0)
+  o = call(qs, k, kb, dec, v, state)
+  return o, jax.ref.freeze(state)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))

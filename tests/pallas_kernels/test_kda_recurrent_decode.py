@@ -76,7 +76,8 @@ def test_bf16_inputs_key_dim_differs_from_value_dim():
 
 
 def test_decode_steps_chain_like_one_call():
-  """Four T = 1 calls feeding each call's state to the next equal one T = 4 call."""
+  """Four T = 1 calls feeding each call's state to the next equal one T = 4 call; the first
+  call's initial state, whose buffer the kernel's output aliases, is still intact after it."""
   x = inputs(11, 1, 4, 2, 64, 64)
   o_all, s_all = kernel(x)
   s = x["h0"]
@@ -89,7 +90,9 @@ def test_decode_steps_chain_like_one_call():
 
 
 def test_lowers_for_hopper():
-  """Mosaic GPU lowering (layouts, reductions, TMA boxes) for CUDA, on any host."""
+  """Mosaic GPU lowering (layouts, reductions, TMA boxes) for CUDA, on any host; the final
+  state (output 1) aliases the initial state's buffer (operand 5), so that a decode loop
+  carrying it needs no copy a step."""
   for b, t, dk, dv, dtype in [(3, 1, 64, 128, jnp.bfloat16), (2, 64, 128, 64, jnp.float32)]:
     sds = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
 
@@ -100,7 +103,9 @@ def test_lowers_for_hopper():
     args = (sds(b, t, 2, dk), sds(b, t, 2, dk), sds(b, t, 2, dv), sds(b, t, 2, dk),
             sds(b, t, 2), sds(b, 2, dk, dv, d=jnp.float32))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert ("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = "
+            "[1], operand_index = 5" in call), call[:300]
 
 
 def test_supports_and_errors():
@@ -120,3 +125,19 @@ def test_supports_and_errors():
   with pytest.raises(ValueError, match="K, V"):
     recurrent_decode.fused_recurrent_kda_mosaic_gpu(*(wide[n] for n in NAMES), interpret=True)
   assert recurrent_decode.fused_recurrent_kda_mosaic_gpu(*args, interpret=True)[1] is None
+
+
+@pytest.mark.skipif(not ON_DEVICE, reason="compiles for the GPU (K3JAX_KDA_TEST_ON_DEVICE=1)")
+def test_decode_loop_updates_the_state_in_place():
+  """Compiled for the GPU, a loop carrying the state through the kernel (as the decode loop
+  does) copies no state: the kernel's final state is written over its initial state."""
+  b, h, d = 16, 8, 128
+  x = inputs(5, b, 1, h, d, d, dtype=jnp.bfloat16)
+
+  def loop(s):
+    return jax.lax.fori_loop(0, 4, lambda i, s: kernel(x, s)[1], s)
+
+  hlo = jax.jit(loop, donate_argnums=0).lower(x["h0"]).compile().as_text()
+  state = f"f32[{b},{h},{d},{d}]"
+  copies = [line for line in hlo.splitlines() if " copy(" in line and state in line]
+  assert not copies, copies[:3]
