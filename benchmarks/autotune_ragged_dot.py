@@ -7,10 +7,10 @@ results and the best config. Copy the winners into GMM_TABLE / TGMM_TABLE in
 pallas_kernels/ragged_dot/mosaic_gpu.py.
 
   python3 -m benchmarks.autotune_ragged_dot [--quick] [--shapes=k3|k3_small|toy]
-      [--products=fwd,d_lhs,d_rhs] [--max_shapes=N] [--out=...]
+      [--products=fwd,d_lhs,d_rhs] [--max_shapes=N] [--max_configs=N] [--out=...]
 
---quick: a short list (7 configs per gmm product, 12 for d_rhs), on the first shape unless
---max_shapes says more.
+--quick: a short list (5 configs per gmm product, 12 for d_rhs), on the first shape unless
+--max_shapes says more. --max_configs: the first N configs of each product's list.
 --shapes: the K3 expert shapes (default) or k3_small's (G 64, 16384 tokens x top-8 rows,
 K = N = 512 and the fused gate/up N = 1024) or "toy" (G 2, 256 rows, K = N = 256).
 --interpret: run the kernels in the Mosaic GPU interpreter (CPU; with --shapes=toy, the test
@@ -128,16 +128,20 @@ def main() -> None:
   parser.add_argument("--interpret", action="store_true")
   parser.add_argument("--products", default="fwd,d_lhs,d_rhs")
   parser.add_argument("--max_shapes", type=int, default=None)
+  parser.add_argument("--max_configs", type=int, default=None)
   args = parser.parse_args()
   shapes = SHAPE_SETS[args.shapes]
   shapes = shapes[:args.max_shapes or (1 if args.quick else len(shapes))]
   products = args.products.split(",")
+  if args.max_configs is not None and args.max_configs < 1:
+    parser.error(f"--max_configs: must be at least 1, got {args.max_configs}")
   if unknown := set(products) - {"fwd", "d_lhs", "d_rhs"}:
     parser.error(f"--products: unknown {sorted(unknown)}; allowed fwd, d_lhs, d_rhs")
   best, everything = [], []
   for shape, product in itertools.product(shapes, products):
     print(f"== {shape} {product}", flush=True)
     configs = quick_sweep(product) if args.quick else full_sweep(product)
+    configs = configs[:args.max_configs]
     results = sweep(shape, product, configs, args.interpret)
     everything += results
     if results:

@@ -6,7 +6,8 @@ the L2 norm of q and k, the forward kernels, and the backward's pieces (`mosaic_
 the `mosaic_gpu_bwd_cotangents` kernel),
 the intra kernel's parts, their VJP as the `mosaic_gpu_bwd_intra` kernel (parts="kernel") and
 as its pure-JAX form `chunked.chunk_parts_vjp`, and
-the whole backward both ways, with the XLA einsums at HIGHEST (fp32) and DEFAULT (TF32).
+the whole backward both ways, with the XLA einsums at HIGHEST (fp32) and DEFAULT (TF32)
+(`--parts_precisions=highest` for the first alone).
 Run: `python3 -m benchmarks.kda_parts --parts_out=$OUT/kda_parts_h200.json` (records: op
 "kda_parts", part, B, T, H, median_ms, device, date).
 """
@@ -27,6 +28,9 @@ from pallas_kernels.kda.reference import l2_normalize
 _OUT = flags.DEFINE_string("parts_out", "", "If set, the records are merged into this JSON list.")
 _SHAPES = flags.DEFINE_list("parts_shapes", ["1x8192x32"], "BxTxH, comma separated.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Mosaic GPU interpreter (CPU smoke run).")
+_PRECISIONS = flags.DEFINE_multi_enum(
+    "parts_precisions", ["highest", "default"], ["highest", "default"],
+    "Matmul precisions of the XLA parts; the kernels' own rows come with \"highest\".")
 
 PRECISIONS = {"highest": lax.Precision.HIGHEST, "default": lax.Precision.DEFAULT}
 
@@ -55,7 +59,8 @@ def parts_of(b, t, h):
       jax.jit(lambda *a: mosaic_gpu.forward(*a, None, None, scale=scale, block_v=block_v,
                                       interpret=interpret)),
       q, k, v, g, beta)
-  for name, prec in PRECISIONS.items():
+  for name in _PRECISIONS.value:
+    prec = PRECISIONS[name]
     parts_fn = lambda q, k, v, g, beta, prec=prec: mosaic_gpu_bwd.chunk_parts(
         q, k, v, g, beta, scale=scale, segment_ids=None, precision=prec)
     ms[f"chunk_parts_{name}"] = timed(jax.jit(parts_fn), q, k, v, g, beta)

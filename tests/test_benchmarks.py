@@ -45,9 +45,9 @@ def test_kda_benchmark_writes_one_record_per_impl_and_pass(tmp_path):
 def test_kda_parts_benchmark_runs_every_part_in_the_interpreter(tmp_path):
   out = tmp_path / "parts.json"
   run_module("benchmarks.kda_parts", "--parts_shapes=1x64x1", "--interpret",
-             f"--parts_out={out}")
+             "--parts_precisions=highest", f"--parts_out={out}")
   parts = {r["part"] for r in records(out)}
-  assert {"forward_kernels", "backward_parts_kernel_default", "chunk_parts_vjp_kernel",
+  assert {"forward_kernels", "backward_parts_kernel_highest", "chunk_parts_vjp_kernel",
           "cotangents_kernel", "states_kernel", "dstates_kernel"} <= parts
 
 
@@ -79,9 +79,9 @@ def test_moe_layer_benchmark_times_every_part(tmp_path):
 def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   out = tmp_path / "autotune.json"
   run_module("benchmarks.autotune_ragged_dot", "--quick", "--shapes=toy", "--interpret",
-             f"--out={out}")
+             "--max_configs=1", f"--out={out}")
   recs = records(out)
-  assert {r["product"] for r in recs} == {"fwd", "d_lhs", "d_rhs"}
+  assert sorted(r["product"] for r in recs) == ["d_lhs", "d_rhs", "fwd"]
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
 
 
