@@ -357,6 +357,7 @@ def test_triton_gate_up(k, f, m):
   np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes):], 0.0)
 
 
+@pytest.mark.large_memory
 def test_ragged_dot_weights_between_2_and_4_gib():
   """65 experts of N 4096 x K 16384 (2.18 GB packed): the triton tier declines them (Pallas
   Triton's sign-extended 32-bit offsets would wrap past 2 GiB, `tiers.triton_offsets_reason`),
