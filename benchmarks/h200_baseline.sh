@@ -124,8 +124,8 @@ PY
       ;;
     gpu_tests)
       # 4 workers on the H200's 141 GB, 2 on an 80 GB card; the tests marked large_memory (2-16
-      # GiB buffers) after them one at a time: beside other workers on an H100 they ran out of
-      # memory with 4 workers and with 2, alone they pass (2026-12-06, 2026-12-07).
+      # GiB buffers) after them one at a time: beside other workers on an H100 they failed with
+      # 4 workers (allocating 16 and 8 GiB) and with 2, alone they pass (2026-12-06, 2026-12-07).
       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       workers=$([ "${mib:-0}" -ge 100000 ] && echo 4 || echo 2)
       files="tests/pallas_kernels/test_ragged_dot_gpu.py tests/pallas_kernels/test_decode_attention_gpu.py
