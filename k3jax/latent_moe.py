@@ -145,7 +145,10 @@ def router_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
   bf16 x: kernel = hi + mid + lo in bf16 (`_split3`) and one bf16 matmul [N, d] x [d, 3E]
   with fp32 accumulation forms the three products exactly, as a HIGHEST fp32 matmul would,
   at bf16 tensor-core speed (H200, k3_small's 16384 x 1024 x 64: 15 us of device time
-  against 62 us for XLA's fp32 HIGHEST matmul). The VJP splits the same way:
+  against 62 us for XLA's fp32 HIGHEST matmul). A bf16 kernel (a bf16-served model) needs no
+  split: its products are exact in one bf16 matmul with fp32 accumulation (in a decode loop
+  the split's three copies of the kernel cost a kernel launch a layer every step). The VJP
+  splits the same way:
   dkernel = x^T [g_hi | g_mid | g_lo] (exact products), dx from the bf16x3 products
   g_hi k_hi + g_hi k_mid + g_mid k_hi (dx is rounded to bf16). Other dtypes run fp32 HIGHEST
   matmuls.
@@ -153,6 +156,8 @@ def router_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
   if x.dtype != jnp.bfloat16:
     return jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
+  if kernel.dtype == jnp.bfloat16:
+    return _bf16_dot(x, kernel)
   parts = _split3(kernel)
   out = _bf16_dot(x, jnp.concatenate(list(parts), axis=1)).reshape(x.shape[0], 3, -1)
   return out[:, 2] + out[:, 1] + out[:, 0]
@@ -380,9 +385,22 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...
   `order` lists the N*k token copies (n k + j) grouped by expert, stably; `inverse` undoes it.
   The sort keys are the narrowest unsigned type that holds E - 1: a GPU radix sort makes one
   pass per key byte (int32 keys took 4 passes, ~30 us in the k3_small layer on the H200).
+  With at most 256 copies and experts (decoding) each key is (expert << 8 | copy) in 16 bits,
+  sorted alone: distinct keys need no stable sort, and no index array is made and copied
+  into the sort's buffer (two kernels a MoE layer fewer in a decode step).
   """
+  flat = experts.reshape(-1)
+  if flat.size <= 256 and num_experts <= 256:
+    keys = flat.astype(jnp.uint16) << 8 | jnp.arange(flat.size, dtype=jnp.uint16)
+    order = (jax.lax.sort(keys) & 0xFF).astype(jnp.int32)
+    return _with_inverse(order, experts, num_experts)
   key = jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.uint32
-  order = jnp.argsort(experts.reshape(-1).astype(key), stable=True).astype(jnp.int32)
+  order = jnp.argsort(flat.astype(key), stable=True).astype(jnp.int32)
+  return _with_inverse(order, experts, num_experts)
+
+
+def _with_inverse(order: jax.Array, experts: jax.Array, num_experts: int
+                  ) -> tuple[jax.Array, ...]:
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
   return order, inverse, expert_counts(experts, num_experts)
 

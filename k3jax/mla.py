@@ -118,11 +118,14 @@ class GatedMLA(nnx.Module):
     """
     x = x.astype(self.dtype)
     q = self._query(x).astype(jnp.float32)
-    wkv = self.kv_b_proj["kernel"][...].astype(jnp.float32)  # [kr, H, dn+dv]
-    q_abs = jnp.einsum("bthn,rhn->bthr", q[..., :self.dn], wkv[..., :self.dn])
+    # W_UK and W_UV sliced from kv_b_proj [kr, H, dn+dv], then each converted on its own, so
+    # that each fuses into its product (one fp32 copy of both was a kernel every decode step).
+    wkv = self.kv_b_proj["kernel"][...]
+    w_uk, w_uv = (w.astype(jnp.float32) for w in (wkv[..., :self.dn], wkv[..., self.dn:]))
+    q_abs = jnp.einsum("bthn,rhn->bthr", q[..., :self.dn], w_uk)
     q_cat = jnp.concatenate([q_abs, q[..., self.dn:]], axis=-1)
     o_lat = decode_op.decode_attention(q_cat.astype(cache.dtype), cache, lengths, v_dim=self.kr,
                                        scale=self.scale, q_positions=positions,
                                        impl=self.decode_attention_impl)
-    o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(jnp.float32), wkv[..., self.dn:])
+    o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(jnp.float32), w_uv)
     return self._output(x, o)

@@ -95,6 +95,22 @@ def test_router_logits_bf16_split_matches_fp64():
   assert rel(one_pass, x64 @ k64) > 1e-4
 
 
+def test_router_logits_bf16_kernel_one_pass_is_exact():
+  """A bf16 kernel takes one bf16 matmul (no split); its products are exact, so the logits
+  match the fp64 product to fp32 rounding, and the cotangents keep their dtypes."""
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.normal(size=(16, 96)), jnp.bfloat16)
+  kern = jnp.asarray(rng.normal(size=(96, 12)) * 0.1, jnp.bfloat16)
+  out, vjp = jax.vjp(lm.router_logits, x, kern)
+  dx, dk = vjp(jnp.ones((16, 12), jnp.float32))
+  x64, k64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, kern))
+  assert out.dtype == jnp.float32 and dx.dtype == dk.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out, x64 @ k64, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dk, np.float64), x64.T @ np.ones((16, 12)), rtol=4e-3)
+  text = jax.jit(lm.router_logits).lower(x, kern).as_text()
+  assert "concatenate" not in text   # no split of the kernel
+
+
 def test_router_logits_fp32_path_is_highest():
   rng = np.random.default_rng(6)
   x = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
@@ -112,8 +128,9 @@ def test_expert_counts_and_take_rows():
   experts = rng.integers(0, 9, size=(50, 3)).astype(np.int32)
   np.testing.assert_array_equal(lm.expert_counts(jnp.asarray(experts), 11),
                                 np.bincount(experts.ravel(), minlength=11))
-  for num_experts in (9, 300):   # uint8 and uint16 sort keys
-    ex = rng.integers(0, num_experts, size=(60, 4)).astype(np.int32)
+  # 16-bit (expert, copy) keys (<= 256 copies), uint8 and uint16 expert keys
+  for num_experts, rows in ((9, 60), (256, 64), (9, 80), (300, 60)):
+    ex = rng.integers(0, num_experts, size=(rows, 4)).astype(np.int32)
     order, inverse, sizes = lm.sort_by_expert(jnp.asarray(ex), num_experts)
     np.testing.assert_array_equal(order, np.argsort(ex.ravel(), kind="stable"))
     np.testing.assert_array_equal(np.asarray(order)[inverse], np.arange(ex.size))

@@ -73,6 +73,25 @@ def test_short_conv_matches_direct_sum_and_restarts_at_documents():
   np.testing.assert_allclose(tail, x[:, -3:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_short_conv_tail_ends_at_each_rows_length(t):
+  """With lengths, row b's new tail is the W-1 inputs ending at its token lengths[b] - 1 (the
+  cached ones where lengths[b] = 0); T = 1 (decode) takes its own select form."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(3, t, 5)).astype(np.float32)
+  cache = rng.normal(size=(3, 3, 5)).astype(np.float32)
+  w = rng.normal(size=(4, 5)).astype(np.float32)
+  lengths = np.array([0, t, max(t - 1, 1)], np.int32)
+  y, tail = kda.short_conv(jnp.asarray(x), jnp.asarray(w), cache=jnp.asarray(cache),
+                           lengths=jnp.asarray(lengths))
+  xp = np.concatenate([cache, x], axis=1)
+  for b, n in enumerate(lengths):
+    np.testing.assert_array_equal(tail[b], xp[b, n:n + 3])
+  y_all, tail_all = kda.short_conv(jnp.asarray(x), jnp.asarray(w), cache=jnp.asarray(cache))
+  np.testing.assert_array_equal(y, y_all)
+  np.testing.assert_array_equal(tail_all, xp[:, t:])
+
+
 @pytest.mark.parametrize("kind", ["lower_bound", "softplus"])
 def test_forget_gate_forms(kind):
   f = jnp.linspace(-30, 30, 64).reshape(1, 1, 2, 32)

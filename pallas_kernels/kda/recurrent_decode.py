@@ -6,7 +6,8 @@ Same contract as `api.fused_recurrent_kda` (fla layouts, see api.py) without
   S <- S * exp(g_t)[:, None];  S <- S + (beta_t k_t) outer (v_t - S^T k_t);  o_t = S^T q_t.
 
 One CTA (one warpgroup) per (value block of 64 columns, head, batch). It loads
-the [T, K] rows of q * scale, k, beta * k, exp(g) and the [T, 64] rows of v by
+the [T, K] rows of q * scale, k, beta * k, exp(g) (one [B, H, 4, T, K] operand, which XLA
+writes in one fusion where four operands took a kernel each) and the [T, 64] rows of v by
 TMA, its state block S [K, 64] from HBM into fp32 registers (WGMMA layout),
 walks the T tokens with elementwise fp32 updates and column reductions (no
 tensor cores: one token is a rank-1 update), writes each o_t [64] to HBM and
@@ -61,16 +62,14 @@ def supports(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_s
   return None
 
 
-def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, s_ref, o_ref,
-          q_s, k_s, kb_s, dec_s, v_s, bar):
+def _body(num_tokens: int, rows_ref, v_ref, s_ref, o_ref, q_s, k_s, kb_s, dec_s, v_s, bar):
   """The recurrence for one (value block, head, batch) over the call's tokens; its state block
-  read from s_ref and the new one written back over it."""
+  read from s_ref and the new one written back over it. rows_ref [B, H, 4, T, K]: q * scale,
+  k, beta * k, exp(g)."""
   vt, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
   vcols = pl.ds(vt * BLOCK_V, BLOCK_V)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, bar)
-  plgpu.copy_gmem_to_smem(k_ref.at[b, h], k_s, bar)
-  plgpu.copy_gmem_to_smem(kb_ref.at[b, h], kb_s, bar)
-  plgpu.copy_gmem_to_smem(dec_ref.at[b, h], dec_s, bar)
+  for i, dst in enumerate((q_s, k_s, kb_s, dec_s)):
+    plgpu.copy_gmem_to_smem(rows_ref.at[b, h, i], dst, bar)
   plgpu.copy_gmem_to_smem(v_ref.at[b, h, :, vcols], v_s, bar)
   s0 = plgpu.load(s_ref.at[b, h, :, vcols], layout=_WG, optimized=False)
   shape = s0.shape
@@ -92,12 +91,13 @@ def _body(num_tokens: int, q_ref, k_ref, kb_ref, dec_ref, v_ref, s_ref, o_ref,
   s_ref.at[b, h, :, vcols][...] = lax.fori_loop(0, num_tokens, step, s0)
 
 
-def _kernel(qs, k, kb, dec, v, h0, interpret):
-  """o [B, H, T, V] and the final state [B, H, K, V], fp32, from [B, H, T, .] fp32 rows. The
+def _kernel(rows, v, h0, interpret):
+  """o [B, H, T, V] and the final state [B, H, K, V], fp32, from rows [B, H, 4, T, K] (q *
+  scale, k, beta * k, exp(g)) and v [B, H, T, V], fp32. The
   kernel writes the final state over a ref of h0 (`jax.new_ref`), which the call's lowering
   aliases to h0's buffer: a decode loop that carries the state updates it in place instead of
   copying the kernel's output into the carry every step."""
-  b, h, t, dk = k.shape
+  b, h, _, t, dk = rows.shape
   dv = v.shape[-1]
   call = plgpu.kernel(
       functools.partial(_body, t),
@@ -108,7 +108,7 @@ def _kernel(qs, k, kb, dec, v, h0, interpret):
       grid=(dv // BLOCK_V, h, b), grid_names=("v", "h", "b"),
       compiler_params=_PARAMS, interpret=interpret, kernel_name="kda_recurrent_decode")
   state = jax.new_ref(h0)
-  o = call(qs, k, kb, dec, v, state)
+  o = call(rows, v, state)
   return o, jax.ref.freeze(state)
 
 
@@ -120,9 +120,9 @@ def _forward(q, k, v, g, beta, h0, *, scale: float, interpret):
     return jnp.swapaxes(x.astype(_F32), 1, 2)
 
   kf = heads_first(k)
-  kb = kf * heads_first(beta)[..., None]
-  o, s = _kernel(heads_first(q) * scale, kf, kb, jnp.exp(heads_first(g)), heads_first(v),
-                 h0.astype(_F32), interpret)
+  rows = jnp.stack([heads_first(q) * scale, kf, kf * heads_first(beta)[..., None],
+                    jnp.exp(heads_first(g))], axis=2)
+  o, s = _kernel(rows, heads_first(v), h0.astype(_F32), interpret)
   return jnp.swapaxes(o, 1, 2).astype(q.dtype), s
 
 
