@@ -113,8 +113,10 @@ class KDA(nnx.Module):
                ) -> tuple[jax.Array, dict | None]:
     """x: [B, T, d] -> ([B, T, d], new cache or None).
 
-    cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv_q"/"conv_k"/"conv_v":
-    [B, W-1, H*K]}; pass one to receive the updated one. lengths [B] (with a cache): row b's
+    cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv": [B, W-1, 3 H*K],
+    the q, k and v conv tails side by side}; pass one to receive the updated one. Cached calls
+    run one conv over the [q | k | v] channels (the conv is depthwise), so a decode step
+    updates one tail buffer a layer (one fusion and one copy, not three of each). lengths [B] (with a cache): row b's
     first lengths[b] tokens are its own and the rest right padding, which enters no state: its
     log-decay g and beta are 0 (the recurrence passes the state through unchanged) and the conv
     tails end at the row's last token. Without a cache, under a mesh with a `context` axis of
@@ -126,11 +128,6 @@ class KDA(nnx.Module):
     x = x.astype(dt)
     w = lambda p: p["kernel"][...].astype(dt)
     project = lambda p: jnp.einsum("btd,dhk->bthk", x, w(p)).reshape(b, t, h * d_h)
-
-    def qkv(proj, conv, name):
-      y, new = short_conv(project(proj), w(conv), segment_ids,
-                          None if cache is None else cache[name], lengths)
-      return jax.nn.silu(y).reshape(b, t, h, d_h), new
 
     f = jnp.einsum("btr,rhk->bthk", x @ w(self.f_a_proj), w(self.f_b_proj))
     g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, d_h), self.gate_kind,
@@ -148,9 +145,16 @@ class KDA(nnx.Module):
           segment_ids, conv=lambda y, kernel, ids: short_conv(y, kernel, ids)[0],
           gate_bound=gate_bound, impl=self.impl or None)
     else:
-      q, cq = qkv(self.q_proj, self.q_conv1d, "conv_q")
-      k, ck = qkv(self.k_proj, self.k_conv1d, "conv_k")
-      v, cv = qkv(self.v_proj, self.v_conv1d, "conv_v")
+      pre = [project(p) for p in (self.q_proj, self.k_proj, self.v_proj)]
+      kernels = [w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+      if cache is None:
+        conv = None
+        ys = [short_conv(y, kernel, segment_ids)[0] for y, kernel in zip(pre, kernels)]
+      else:
+        y, conv = short_conv(jnp.concatenate(pre, -1), jnp.concatenate(kernels, -1),
+                             segment_ids, cache["conv"], lengths)
+        ys = jnp.split(y, 3, axis=-1)
+      q, k, v = (jax.nn.silu(y).reshape(b, t, h, d_h) for y in ys)
       if cache is not None and t == 1:
         o, state = kda_ops.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache["state"],
                                                output_final_state=True,
@@ -167,12 +171,10 @@ class KDA(nnx.Module):
     o = rms_norm(o.astype(jnp.float32), self.o_norm["scale"][...], self.eps)
     o = (o * jax.nn.sigmoid(z.astype(jnp.float32))).astype(dt)
     y = jnp.einsum("bthk,hkd->btd", o, w(self.o_proj))
-    new_cache = (None if cache is None else
-                 {"state": state, "conv_q": cq, "conv_k": ck, "conv_v": cv})
+    new_cache = None if cache is None else {"state": state, "conv": conv}
     return y, new_cache
 
   def init_cache(self, batch: int) -> dict:
-    c = self.q_conv1d["kernel"].shape
-    conv = lambda: jnp.zeros((batch, c[0] - 1, c[1]), self.dtype)  # three buffers (donatable)
+    width, channels = self.q_conv1d["kernel"].shape
     return {"state": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32),
-            "conv_q": conv(), "conv_k": conv(), "conv_v": conv()}
+            "conv": jnp.zeros((batch, width - 1, 3 * channels), self.dtype)}
