@@ -170,3 +170,46 @@ def device_op_times(trace: dict, by_hlo_op: bool = False) -> list[tuple[str, int
       totals[name][0] += 1
       totals[name][1] += float(e["dur"])
   return sorted(((name, n, us) for name, (n, us) in totals.items()), key=lambda r: -r[2])
+
+
+def launch_gaps(trace: dict, hlo_module: str | None = None) -> dict[str, float]:
+  """Whether a run waits on its host: the device timeline's idle time split by cause.
+
+  Kernels are matched to their host launch calls by CUPTI correlation id. A gap before a
+  kernel counts as waiting on the host when the kernel's launch call ended after the previous
+  kernel had ended (the device ran dry); other gaps are "other_idle_us". With `hlo_module`
+  only that module's kernels (and device copies) count. Returns kernels, busy_us, span_us,
+  host_wait_us, other_idle_us and the medians of the host's launch calls and of the
+  intervals between them (launch_us, launch_interval_us).
+  """
+  events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+  names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  on_device = lambda e: names.get(e["pid"], "").startswith("/device:")
+  launches = {e["args"]["correlation_id"]: e for e in events
+              if not on_device(e) and "correlation_id" in e.get("args", {})}
+  kernels = sorted((e for e in events if on_device(e) and (
+      hlo_module is None or e.get("args", {}).get("hlo_module") == hlo_module
+      or e["name"].startswith("Memcpy"))), key=lambda e: e["ts"])
+  if not kernels:
+    raise ValueError(f"no device events{f' of {hlo_module}' * bool(hlo_module)} in the trace")
+  host_wait = other = 0.0
+  end = kernels[0]["ts"]
+  used = []
+  for e in kernels:
+    launch = launches.get(e.get("args", {}).get("correlation_id"))
+    gap = e["ts"] - end
+    if gap > 0:
+      if launch is not None and launch["ts"] + launch["dur"] > end:
+        host_wait += gap
+      else:
+        other += gap
+    if launch is not None:
+      used.append(launch)
+    end = max(end, e["ts"] + e["dur"])
+  starts = sorted(h["ts"] for h in used)
+  return dict(kernels=len(kernels), busy_us=sum(e["dur"] for e in kernels),
+              span_us=end - kernels[0]["ts"], host_wait_us=host_wait, other_idle_us=other,
+              launch_us=statistics.median(h["dur"] for h in used) if used else float("nan"),
+              launch_interval_us=statistics.median(b - a for a, b in zip(starts, starts[1:]))
+              if len(starts) > 1 else float("nan"))

@@ -437,14 +437,16 @@ PY
     decode_kernels)
       # Where k3_small's decode step goes at B 16, 128k with packed experts: one traced loop,
       # its parts ($OUT/prof/hybrid_B16/parts.json, printed in $OUT/decode_kernels.log) and
-      # its kernels by HLO op ($OUT/decode_kernels.txt), largest first.
+      # its kernels by HLO op ($OUT/decode_kernels.txt), largest first, and how long the
+      # device waited on the host's launches (the trace slows the launches).
       timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode --variants=hybrid \
         --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 --new_tokens=9 \
         --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 \
         | tee $OUT/decode_kernels.log | grep -E "tpot|Error"
       python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=700 \
-        > $OUT/decode_kernels.txt 2>&1
+        --launch_gaps=jit__decode > $OUT/decode_kernels.txt 2>&1
       head -8 $OUT/decode_kernels.txt | cut -c1-130
+      grep "launch gaps" $OUT/decode_kernels.txt
       echo "device copies (MemcpyD2D) listed: $(grep -c MemcpyD2D $OUT/decode_kernels.txt)"
       grep -A14 "by part" $OUT/decode_kernels.log
       ;;

@@ -288,6 +288,29 @@ def test_trace_parsing_sums_device_ops_only(tmp_path):
   assert common.find_trace(str(tmp_path)) == nested / "vm.trace.json.gz"
 
 
+def test_launch_gaps_splits_idle_by_cause():
+  """Kernel b starts 10 us after a ends and was launched after a ended: host wait. Kernel c
+  starts 5 us after b, launched long before: other idle. d belongs to another module."""
+  from benchmarks import common
+  meta = lambda pid, name: dict(ph="M", name="process_name", pid=pid, args=dict(name=name))
+  kern = lambda name, ts, dur, cid, mod="jit_step": dict(
+      ph="X", pid=1, tid=1, name=name, ts=ts, dur=dur,
+      args=dict(correlation_id=cid, hlo_module=mod))
+  launch = lambda ts, dur, cid: dict(ph="X", pid=2, tid=7, name="launch", ts=ts, dur=dur,
+                                     args=dict(correlation_id=cid))
+  trace = dict(traceEvents=[
+      meta(1, "/device:GPU:0"), meta(2, "/host:CPU"),
+      launch(0, 2, "1"), kern("a", 5, 20, "1"),
+      launch(22, 8, "2"), kern("b", 35, 10, "2"),
+      launch(24, 3, "3"), kern("c", 50, 10, "3"),
+      launch(26, 3, "4"), kern("d", 100, 10, "4", mod="jit_other")])
+  g = common.launch_gaps(trace, "jit_step")
+  assert (g["kernels"], g["busy_us"], g["span_us"]) == (3, 40, 55)
+  assert (g["host_wait_us"], g["other_idle_us"]) == (10, 5)
+  assert (g["launch_us"], g["launch_interval_us"]) == (3, 12)
+  assert common.launch_gaps(trace)["kernels"] == 4
+
+
 def test_device_ms_refuses_a_run_without_device_timeline():
   import jax
   import jax.numpy as jnp
