@@ -75,6 +75,12 @@
 #                                                          # k3_small (B 16, 128k, packed experts):
 #                                                          # parts and kernels by HLO op
 #   bash benchmarks/h200_baseline.sh kda_decode_tests     # ~1 min: the KDA decode kernel's tests
+#   BASE_COMMIT=f40cbd5 bash benchmarks/h200_baseline.sh decode_ab
+#                                                          # ~3 min: k3_small's decode (B 16, 128k,
+#                                                          # packed experts) of this tree and of
+#                                                          # the tree in .base (git archive of
+#                                                          # BASE_COMMIT, git-ignored, carried),
+#                                                          # alternated: this, base, this
 #   bash benchmarks/h200_baseline.sh decode_paths         # ~3 min: k3_small decode at B 1, 4k: gathered
 #                                                          # MoE decode path, with the while loop in
 #                                                          # command buffers, sorted path
@@ -449,6 +455,20 @@ PY
       grep "launch gaps" $OUT/decode_kernels.txt
       echo "device copies (MemcpyD2D) listed: $(grep -c MemcpyD2D $OUT/decode_kernels.txt)"
       grep -A14 "by part" $OUT/decode_kernels.log
+      ;;
+    decode_ab)
+      # Before / after on one machine: run-to-run spread between machines (~3%) is as large
+      # as a step's small changes. Make .base with
+      #   mkdir .base && git archive $BASE_COMMIT | tar -x -C .base
+      # (ignored through .git/info/exclude), carry it, and set BASE_COMMIT.
+      [ -d .base ] || { echo "decode_ab: no .base tree"; continue; }
+      ab="--variants=hybrid --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4"
+      for tree in . .base .; do
+        commit=$([ $tree = . ] && echo "${K3JAX_COMMIT:-}" || echo "${BASE_COMMIT:?}")
+        (cd $tree && K3JAX_COMMIT=$commit PYTHONPATH=/tmp/site:$PWD timeout ${DECODE_AB_S:-100} \
+          python3 -m benchmarks.decode $ab --out=$OUT/decode_ab_$([ $tree = . ] && echo new \
+          || echo base).json 2>&1 | tee -a $OUT/decode_ab.log | grep -E "tpot|Error")
+      done
       ;;
     kda_decode_tests)
       # The KDA decode kernel's tests compiled on the GPU (larger shapes added there).
