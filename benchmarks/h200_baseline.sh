@@ -75,7 +75,7 @@
 #                                                          # k3_small (B 16, 128k, packed experts):
 #                                                          # parts and kernels by HLO op
 #   bash benchmarks/h200_baseline.sh kda_decode_tests     # ~1 min: the KDA decode kernel's tests
-#   BASE_COMMIT=f40cbd5 bash benchmarks/h200_baseline.sh decode_ab
+#   BASE_COMMIT=b4f4a80 bash benchmarks/h200_baseline.sh decode_ab
 #                                                          # ~3 min: k3_small's decode (B 16, 128k,
 #                                                          # packed experts) of this tree and of
 #                                                          # the tree in .base (git archive of
@@ -102,8 +102,8 @@
 #
 # fla's Triton autotuning takes minutes on a fresh machine. fla caches its autotune results in
 # TRITON_CACHE_DIR (here .triton_cache in the repo); each run packs them into
-# $OUT/triton_autotune.tgz. Unpack that into .triton_cache (git-ignored through
-# .git/info/exclude) and carry .triton_cache with .whl on later calls to skip the tuning.
+# $OUT/triton_autotune.tgz. Unpack that into .triton_cache (git-ignored) and carry
+# .triton_cache with .whl on later calls to skip the tuning.
 set -uo pipefail
 export TRITON_CACHE_DIR="$PWD/.triton_cache"
 mkdir -p "$TRITON_CACHE_DIR"
@@ -460,7 +460,7 @@ PY
       # Before / after on one machine: run-to-run spread between machines (~3%) is as large
       # as a step's small changes. Make .base with
       #   mkdir .base && git archive $BASE_COMMIT | tar -x -C .base
-      # (ignored through .git/info/exclude), carry it, and set BASE_COMMIT.
+      # (git-ignored), carry it, and set BASE_COMMIT.
       [ -d .base ] || { echo "decode_ab: no .base tree"; continue; }
       ab="--variants=hybrid --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4"
       for tree in . .base .; do
