@@ -66,6 +66,7 @@ from k3jax import generate
 from k3jax import latent_moe
 from k3jax.model import K3ForCausalLM
 from pallas_kernels import decode_attention
+from pallas_kernels.expert_sort import api as expert_sort_api
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_h200.json", "Records (JSON list).")
@@ -93,6 +94,9 @@ _SWAPPED_GMM = flags.DEFINE_bool(
     "swapped_gmm", False, "Run ragged_dot's calls with few rows per group (M <= 8 G) on the "
     "\"swapped\" Mosaic GPU kernel (sets pallas_kernels.ragged_dot.mosaic_gpu."
     "SWAPPED_IS_DEFAULT before the model is built; recorded as moe_kernels).")
+_TRITON_EXPERT_SORT = flags.DEFINE_bool(
+    "triton_expert_sort", False, "Sort the MoE's copies by expert with the Triton counting sort "
+    "(sets pallas_kernels.expert_sort.api.TRITON_IS_DEFAULT; recorded as moe_kernels).")
 _EXPERT_FORMAT = flags.DEFINE_enum(
     "expert_format", "float", latent_moe.EXPERT_FORMATS,
     "model.moe.expert_format: \"mxfp4\" holds the routed experts packed (random E2M1 codes, "
@@ -367,7 +371,8 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
 def moe_kernels() -> str | None:
   """The MoE kernel choices of this run that differ from the defaults (None: the defaults)."""
   parts = ([f"gate_up_impl={_GATE_UP_IMPL.value}"] if _GATE_UP_IMPL.value else []) + (
-      ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else [])
+      ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else []) + (
+      ["triton expert sort"] if _TRITON_EXPERT_SORT.value else [])
   return ", ".join(parts) or None
 
 
@@ -375,6 +380,8 @@ def main(argv):
   del argv
   if _SWAPPED_GMM.value:
     ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
+  if _TRITON_EXPERT_SORT.value:
+    expert_sort_api.TRITON_IS_DEFAULT = True
   toy = _TOY.value
   ints = lambda values: tuple(int(v) for v in values)
   batches = TOY["batches"] if toy else ints(_BATCHES.value)

@@ -75,6 +75,10 @@
 #                                                          # k3_small (B 16, 128k, packed experts):
 #                                                          # parts and kernels by HLO op
 #   bash benchmarks/h200_baseline.sh kda_decode_tests     # ~1 min: the KDA decode kernel's tests
+#   bash benchmarks/h200_baseline.sh expert_sort          # ~3 min: the Triton expert sort's GPU
+#                                                          # tests, then k3_small's decode (B 16,
+#                                                          # 128k, packed experts) with it, without,
+#                                                          # with
 #   BASE_COMMIT=b4f4a80 bash benchmarks/h200_baseline.sh decode_ab
 #                                                          # ~3 min: k3_small's decode (B 16, 128k,
 #                                                          # packed experts) of this tree and of
@@ -137,6 +141,7 @@ PY
       files="tests/pallas_kernels/test_ragged_dot_gpu.py tests/pallas_kernels/test_decode_attention_gpu.py
         tests/pallas_kernels/test_mxfp4_matmul_gpu.py tests/pallas_kernels/test_moe_gate_up.py
         tests/pallas_kernels/test_top_k.py tests/pallas_kernels/test_attention_gpu.py
+        tests/pallas_kernels/test_expert_sort.py
         tests/pallas_kernels/test_kernel_reuse.py tests/pallas_kernels/test_mosaic_gpu_prebuild_gpu.py"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_S:-480} python3 -m pytest -q \
         -p no:cacheprovider -n ${GPU_TEST_WORKERS:-$workers} --durations=10 -m "not large_memory" \
@@ -455,6 +460,19 @@ PY
       grep "launch gaps" $OUT/decode_kernels.txt
       echo "device copies (MemcpyD2D) listed: $(grep -c MemcpyD2D $OUT/decode_kernels.txt)"
       grep -A14 "by part" $OUT/decode_kernels.log
+      ;;
+    expert_sort)
+      # The copies' counting sort (pallas_kernels/expert_sort/triton.py): its GPU tests, then the
+      # decode loop with it (--triton_expert_sort), without, with.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXPERT_SORT_TEST_S:-90} python3 -m pytest -q \
+        -p no:cacheprovider tests/pallas_kernels/test_expert_sort.py 2>&1 \
+        | tee $OUT/expert_sort_tests.log | tail -3
+      for flag in --triton_expert_sort "" --triton_expert_sort; do
+        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode --variants=hybrid --batches=16 \
+          --contexts=131072 --noprefill --expert_format=mxfp4 $flag \
+          --out=$OUT/decode_expert_sort.json 2>&1 | tee -a $OUT/decode_expert_sort.log \
+          | grep -E "tpot|Error"
+      done
       ;;
     decode_ab)
       # Before / after on one machine: run-to-run spread between machines (~3%) is as large

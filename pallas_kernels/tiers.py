@@ -1,5 +1,5 @@
 """Tier order and choice shared by the ops whose reference tier is "xla" (ragged_dot, top_k,
-moe_gate_up), and the addressing limit every Pallas Triton tier declines by."""
+moe_gate_up, expert_sort), and the addressing limit every Pallas Triton tier declines by."""
 import dataclasses
 import math
 from typing import Callable
