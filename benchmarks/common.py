@@ -153,13 +153,18 @@ def find_trace(path: str) -> pathlib.Path:
   return found[-1]
 
 
+def _device_pids(trace: dict) -> set:
+  """The trace's process ids of device timelines (process names "/device:...")."""
+  return {e["pid"] for e in trace["traceEvents"]
+          if e.get("ph") == "M" and e.get("name") == "process_name"
+          and e["args"]["name"].startswith("/device:")}
+
+
 def device_op_times(trace: dict, by_hlo_op: bool = False) -> list[tuple[str, int, float]]:
   """(op name, calls, total microseconds) on the device timelines, largest total first; with
   `by_hlo_op` the name is prefixed by the HLO module and op the kernel ran for."""
   events = trace["traceEvents"]
-  devices = {e["pid"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"
-             and e["args"]["name"].startswith("/device:")}
+  devices = _device_pids(trace)
   totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   for e in events:
     if e.get("ph") == "X" and e["pid"] in devices:
@@ -183,9 +188,8 @@ def launch_gaps(trace: dict, hlo_module: str | None = None) -> dict[str, float]:
   intervals between them (launch_us, launch_interval_us).
   """
   events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-  names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  on_device = lambda e: names.get(e["pid"], "").startswith("/device:")
+  devices = _device_pids(trace)
+  on_device = lambda e: e["pid"] in devices
   launches = {e["args"]["correlation_id"]: e for e in events
               if not on_device(e) and "correlation_id" in e.get("args", {})}
   kernels = sorted((e for e in events if on_device(e) and (

@@ -116,6 +116,8 @@ trap '(cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 \
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+# k3_small's decode at the decode issue's target point: B 16, 128k, packed experts.
+B16_128K="--variants=hybrid --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4"
 
 for section in "$@"; do
   case "$section" in
@@ -392,8 +394,7 @@ PY
       timeout ${GATE_UP_GEMM_S:-150} python3 -m benchmarks.moe_decode_gemm \
         --shapes=k3_small_gate_up --out=$OUT/moe_decode_h200.json 2>&1 | grep -E "gate/up|Error"
       for impl in triton xla; do
-        timeout ${GATE_UP_DECODE_S:-90} python3 -m benchmarks.decode --variants=hybrid \
-          --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 \
+        timeout ${GATE_UP_DECODE_S:-90} python3 -m benchmarks.decode $B16_128K \
           --gate_up_impl=$impl --out=$OUT/decode_h200.json 2>&1 \
           | tee -a $OUT/mxfp4_gate_up.log | grep -E "tpot|Error"
       done
@@ -450,8 +451,7 @@ PY
       # its parts ($OUT/prof/hybrid_B16/parts.json, printed in $OUT/decode_kernels.log) and
       # its kernels by HLO op ($OUT/decode_kernels.txt), largest first, and how long the
       # device waited on the host's launches (the trace slows the launches).
-      timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode --variants=hybrid \
-        --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4 --new_tokens=9 \
+      timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode $B16_128K --new_tokens=9 \
         --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 \
         | tee $OUT/decode_kernels.log | grep -E "tpot|Error"
       python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=700 \
@@ -468,8 +468,7 @@ PY
         -p no:cacheprovider tests/pallas_kernels/test_expert_sort.py 2>&1 \
         | tee $OUT/expert_sort_tests.log | tail -3
       for flag in --triton_expert_sort "" --triton_expert_sort; do
-        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode --variants=hybrid --batches=16 \
-          --contexts=131072 --noprefill --expert_format=mxfp4 $flag \
+        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K $flag \
           --out=$OUT/decode_expert_sort.json 2>&1 | tee -a $OUT/decode_expert_sort.log \
           | grep -E "tpot|Error"
       done
@@ -480,12 +479,12 @@ PY
       #   mkdir .base && git archive $BASE_COMMIT | tar -x -C .base
       # (git-ignored), carry it, and set BASE_COMMIT.
       [ -d .base ] || { echo "decode_ab: no .base tree"; continue; }
-      ab="--variants=hybrid --batches=16 --contexts=131072 --noprefill --expert_format=mxfp4"
-      for tree in . .base .; do
-        commit=$([ $tree = . ] && echo "${K3JAX_COMMIT:-}" || echo "${BASE_COMMIT:?}")
-        (cd $tree && K3JAX_COMMIT=$commit PYTHONPATH=/tmp/site:$PWD timeout ${DECODE_AB_S:-100} \
-          python3 -m benchmarks.decode $ab --out=$OUT/decode_ab_$([ $tree = . ] && echo new \
-          || echo base).json 2>&1 | tee -a $OUT/decode_ab.log | grep -E "tpot|Error")
+      new="new . ${K3JAX_COMMIT:-}"
+      for run in "$new" "base .base ${BASE_COMMIT:?}" "$new"; do   # name, tree, commit
+        set -- $run
+        (cd $2 && K3JAX_COMMIT=${3:-} PYTHONPATH=/tmp/site:$PWD timeout ${DECODE_AB_S:-100} \
+          python3 -m benchmarks.decode $B16_128K --out=$OUT/decode_ab_$1.json 2>&1 \
+          | tee -a $OUT/decode_ab.log | grep -E "tpot|Error")
       done
       ;;
     kda_decode_tests)

@@ -28,15 +28,15 @@ def main(argv):
   del argv
   path = find_trace(_TRACE.value)
   with gzip.open(path) as f:
-    rows = device_op_times(json.load(f), _BY_HLO_OP.value)
+    trace = json.load(f)
+  rows = device_op_times(trace, _BY_HLO_OP.value)
   total = sum(us for _, _, us in rows)
   print(f"{path}\ndevice time {total / 1e3:.3f} ms in {sum(n for _, n, _ in rows)} ops")
   for name, n, us in rows[:_TOP.value]:
     shown = name if len(name) <= _NAME_CHARS else name[:_NAME_CHARS - 3] + "..."
     print(f"{us / 1e3:9.3f} ms {100 * us / total:5.1f}% {n:5d}x  {shown}")
   if _LAUNCH_GAPS.value:
-    with gzip.open(path) as f:
-      g = launch_gaps(json.load(f), None if _LAUNCH_GAPS.value == "all" else _LAUNCH_GAPS.value)
+    g = launch_gaps(trace, None if _LAUNCH_GAPS.value == "all" else _LAUNCH_GAPS.value)
     print(f"launch gaps: {g['kernels']} kernels, device busy {g['busy_us'] / 1e3:.3f} of "
           f"{g['span_us'] / 1e3:.3f} ms; idle waiting on launches {g['host_wait_us'] / 1e3:.3f} "
           f"ms, other idle {g['other_idle_us'] / 1e3:.3f} ms; launch call {g['launch_us']:.1f} "

@@ -138,15 +138,14 @@ class KDA(nnx.Module):
       g = jnp.where(token[:, :, None, None], g, 0.0)
       beta = jnp.where(token[:, :, None], beta, 0.0)
     gate_bound = self.lower_bound if self.gate_kind == "lower_bound" else None
+    pre = tuple(project(p) for p in (self.q_proj, self.k_proj, self.v_proj))
+    kernels = tuple(w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))
     if cache is None and context_parallel.context_size() > 1:
       o = context_parallel.kda_token_mix(
-          tuple(project(p) for p in (self.q_proj, self.k_proj, self.v_proj)),
-          tuple(w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)), g, beta,
-          segment_ids, conv=lambda y, kernel, ids: short_conv(y, kernel, ids)[0],
+          pre, kernels, g, beta, segment_ids,
+          conv=lambda y, kernel, ids: short_conv(y, kernel, ids)[0],
           gate_bound=gate_bound, impl=self.impl or None)
     else:
-      pre = [project(p) for p in (self.q_proj, self.k_proj, self.v_proj)]
-      kernels = [w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
       if cache is None:
         conv = None
         ys = [short_conv(y, kernel, segment_ids)[0] for y, kernel in zip(pre, kernels)]
