@@ -94,9 +94,10 @@ _SWAPPED_GMM = flags.DEFINE_bool(
     "swapped_gmm", False, "Run ragged_dot's calls with few rows per group (M <= 8 G) on the "
     "\"swapped\" Mosaic GPU kernel (sets pallas_kernels.ragged_dot.mosaic_gpu."
     "SWAPPED_IS_DEFAULT before the model is built; recorded as moe_kernels).")
-_TRITON_EXPERT_SORT = flags.DEFINE_bool(
-    "triton_expert_sort", False, "Sort the MoE's copies by expert with the Triton counting sort "
-    "(sets pallas_kernels.expert_sort.api.TRITON_IS_DEFAULT; recorded as moe_kernels).")
+_EXPERT_SORT = flags.DEFINE_enum(
+    "expert_sort", "", ("", "xla", "triton"),
+    "The MoE's sort of copies by expert (\"\": the default, the Triton counting sort on a GPU; "
+    "sets pallas_kernels.expert_sort.api.TRITON_IS_DEFAULT; recorded as moe_kernels).")
 _EXPERT_FORMAT = flags.DEFINE_enum(
     "expert_format", "float", latent_moe.EXPERT_FORMATS,
     "model.moe.expert_format: \"mxfp4\" holds the routed experts packed (random E2M1 codes, "
@@ -372,7 +373,7 @@ def moe_kernels() -> str | None:
   """The MoE kernel choices of this run that differ from the defaults (None: the defaults)."""
   parts = ([f"gate_up_impl={_GATE_UP_IMPL.value}"] if _GATE_UP_IMPL.value else []) + (
       ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else []) + (
-      ["triton expert sort"] if _TRITON_EXPERT_SORT.value else [])
+      [f"expert_sort={_EXPERT_SORT.value}"] if _EXPERT_SORT.value else [])
   return ", ".join(parts) or None
 
 
@@ -380,8 +381,8 @@ def main(argv):
   del argv
   if _SWAPPED_GMM.value:
     ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
-  if _TRITON_EXPERT_SORT.value:
-    expert_sort_api.TRITON_IS_DEFAULT = True
+  if _EXPERT_SORT.value:
+    expert_sort_api.TRITON_IS_DEFAULT = _EXPERT_SORT.value == "triton"
   toy = _TOY.value
   ints = lambda values: tuple(int(v) for v in values)
   batches = TOY["batches"] if toy else ints(_BATCHES.value)

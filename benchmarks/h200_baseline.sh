@@ -463,11 +463,11 @@ PY
       ;;
     expert_sort)
       # The copies' counting sort (pallas_kernels/expert_sort/triton.py): its GPU tests, then the
-      # decode loop with it (--triton_expert_sort), without, with.
+      # decode loop with it (the default), without (--expert_sort=xla), with.
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXPERT_SORT_TEST_S:-90} python3 -m pytest -q \
         -p no:cacheprovider tests/pallas_kernels/test_expert_sort.py 2>&1 \
         | tee $OUT/expert_sort_tests.log | tail -3
-      for flag in --triton_expert_sort "" --triton_expert_sort; do
+      for flag in "" --expert_sort=xla ""; do
         timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K $flag \
           --out=$OUT/decode_expert_sort.json 2>&1 | tee -a $OUT/decode_expert_sort.log \
           | grep -E "tpot|Error"

@@ -4,8 +4,8 @@
 int32): `order` lists the copies (n k + j) grouped by expert, stably, `inverse` undoes it.
 
 Tiers ("impl"): "xla" (the reference, `xla.py`) and "triton" (one program's counting sort for
-few copies, `triton.py`). impl=None runs xla, or triton then xla on a GPU when
-TRITON_IS_DEFAULT; an explicit impl="triton" falls through to xla for calls the kernel
+few copies, `triton.py`). impl=None runs triton then xla on a GPU (while TRITON_IS_DEFAULT),
+xla elsewhere; an explicit impl="triton" falls through to xla for calls the kernel
 declines. `plan(...)` returns the tier and every reason a tier declined.
 """
 import types
@@ -20,8 +20,9 @@ from pallas_kernels.expert_sort import xla
 
 IMPLS = ("xla", "triton")
 TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton}
-# Off until the kernel's tests pass on a GPU (benchmarks/decode.py --triton_expert_sort sets it).
-TRITON_IS_DEFAULT = False
+# On since its GPU tests passed on an H100 (2026-12-07; benchmarks/decode.py --expert_sort=xla
+# turns it off).
+TRITON_IS_DEFAULT = True
 Plan = tiers.Plan
 
 

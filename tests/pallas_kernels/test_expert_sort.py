@@ -50,11 +50,11 @@ def test_all_copies_on_one_expert_and_falls_through():
     assert_sorted(expert_sort.sort_by_expert(ex, e, impl="xla"), ex, e)
 
 
-def test_default_is_xla_until_enabled(monkeypatch):
+def test_default_is_triton_on_a_gpu(monkeypatch):
   experts = jnp.zeros((2, 2), jnp.int32)
-  assert expert_sort.plan(experts, 4).impl == "xla"
-  monkeypatch.setattr(api, "TRITON_IS_DEFAULT", True)
   assert expert_sort.plan(experts, 4).impl == ("triton" if ON_GPU else "xla")
+  monkeypatch.setattr(api, "TRITON_IS_DEFAULT", False)
+  assert expert_sort.plan(experts, 4).impl == "xla"
 
 
 @pytest.mark.parametrize("experts,e,match", [
