@@ -67,6 +67,8 @@ from k3jax import latent_moe
 from k3jax.model import K3ForCausalLM
 from pallas_kernels import decode_attention
 from pallas_kernels.expert_sort import api as expert_sort_api
+from pallas_kernels import kda_decode
+from pallas_kernels.kda_decode import api as kda_decode_api
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_h200.json", "Records (JSON list).")
@@ -98,6 +100,10 @@ _EXPERT_SORT = flags.DEFINE_enum(
     "expert_sort", "", ("", "xla", "triton"),
     "The MoE's sort of copies by expert (\"\": the default, the Triton counting sort on a GPU; "
     "sets pallas_kernels.expert_sort.api.TRITON_IS_DEFAULT; recorded as moe_kernels).")
+_KDA_DECODE = flags.DEFINE_enum(
+    "kda_decode", "", ("", "xla", "triton"),
+    "The KDA layers' decode step (\"\": the default; sets pallas_kernels.kda_decode.api."
+    "TRITON_IS_DEFAULT; the tier that ran is recorded as kda_decode_tier).")
 _EXPERT_FORMAT = flags.DEFINE_enum(
     "expert_format", "float", latent_moe.EXPERT_FORMATS,
     "model.moe.expert_format: \"mxfp4\" holds the routed experts packed (random E2M1 codes, "
@@ -107,7 +113,8 @@ _PREFILL = flags.DEFINE_bool("prefill", True, "Compile and time the prefill chun
 CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
 TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=6, chunk_tokens=32)
-KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "moe_decode_experts",
+KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "kda_decode_tier",
+              "moe_decode_experts",
               "moe_kernels", "expert_format", "xla_flags", "device")
 
 
@@ -202,6 +209,20 @@ def decode_tier(model: K3ForCausalLM, batch: int, slots: int) -> str:
   cache = jax.ShapeDtypeStruct((batch, slots, a.kr + a.dr), a.dtype)
   return decode_attention.plan(q, cache, jax.ShapeDtypeStruct((batch,), jnp.int32), v_dim=a.kr,
                                impl=a.decode_attention_impl).impl
+
+
+def kda_decode_tier(model: K3ForCausalLM, batch: int) -> str:
+  """The decode step tier the KDA layers run ("" without KDA layers)."""
+  kda = [layer.self_attn for layer in model.layers if layer.kind == "kda"]
+  if not kda:
+    return ""
+  a = kda[0]
+  h, k = a.num_heads, a.head_dim
+  r, width = a.f_b_proj["kernel"].shape[0], a.q_conv1d["kernel"].shape[0]
+  sds = jax.ShapeDtypeStruct
+  return kda_decode.plan(sds((batch, kda_decode.proj_width(h, k, r)), a.dtype),
+                         sds((batch, width - 1, 3 * h * k), a.dtype),
+                         sds((r, h, k), a.dtype), impl=a.decode_impl or None).impl
 
 
 @functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("cache",))
@@ -355,6 +376,7 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                floor_ms=round(floor, 4),
                floor_fraction=round(floor / tpot, 3) if tpot > 0 else None,
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
+               kda_decode_tier=kda_decode_tier(model, batch),
                moe_decode_experts=moe_choice, moe_kernels=moe_kernels(),
                expert_format=None if _EXPERT_FORMAT.value == "float" else _EXPERT_FORMAT.value,
                xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -365,7 +387,8 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
     log(f"L={context:<6d} tpot {tpot:8.3f} ms (floor {floor:.3f} ms; a call's overhead "
         f"{rec['call_overhead_ms']:.1f} ms)  "
         f"{prefill_note}cache/seq {rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  "
-        f"[{tier or 'no MLA'}, {rec['moe_decode_experts']} {_EXPERT_FORMAT.value} experts]")
+        f"[{tier or 'no MLA'}, KDA {rec['kda_decode_tier'] or '-'}, "
+        f"{rec['moe_decode_experts']} {_EXPERT_FORMAT.value} experts]")
     common.merge_records(_OUT.value, [rec], KEY_FIELDS)
 
 
@@ -383,6 +406,8 @@ def main(argv):
     ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
   if _EXPERT_SORT.value:
     expert_sort_api.TRITON_IS_DEFAULT = _EXPERT_SORT.value == "triton"
+  if _KDA_DECODE.value:
+    kda_decode_api.TRITON_IS_DEFAULT = _KDA_DECODE.value == "triton"
   toy = _TOY.value
   ints = lambda values: tuple(int(v) for v in values)
   batches = TOY["batches"] if toy else ints(_BATCHES.value)

@@ -79,6 +79,10 @@
 #                                                          # tests, then k3_small's decode (B 16,
 #                                                          # 128k, packed experts) with it, without,
 #                                                          # with
+#   bash benchmarks/h200_baseline.sh kda_decode           # ~3 min: the fused KDA decode step's GPU
+#                                                          # tests, then k3_small's decode (B 16,
+#                                                          # 128k, packed experts) with it, without,
+#                                                          # with
 #   BASE_COMMIT=b4f4a80 bash benchmarks/h200_baseline.sh decode_ab
 #                                                          # ~3 min: k3_small's decode (B 16, 128k,
 #                                                          # packed experts) of this tree and of
@@ -143,7 +147,7 @@ PY
       files="tests/pallas_kernels/test_ragged_dot_gpu.py tests/pallas_kernels/test_decode_attention_gpu.py
         tests/pallas_kernels/test_mxfp4_matmul_gpu.py tests/pallas_kernels/test_moe_gate_up.py
         tests/pallas_kernels/test_top_k.py tests/pallas_kernels/test_attention_gpu.py
-        tests/pallas_kernels/test_expert_sort.py
+        tests/pallas_kernels/test_expert_sort.py tests/pallas_kernels/test_kda_decode.py
         tests/pallas_kernels/test_kernel_reuse.py tests/pallas_kernels/test_mosaic_gpu_prebuild_gpu.py"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_S:-480} python3 -m pytest -q \
         -p no:cacheprovider -n ${GPU_TEST_WORKERS:-$workers} --durations=10 -m "not large_memory" \
@@ -451,7 +455,8 @@ PY
       # its parts ($OUT/prof/hybrid_B16/parts.json, printed in $OUT/decode_kernels.log) and
       # its kernels by HLO op ($OUT/decode_kernels.txt), largest first, and how long the
       # device waited on the host's launches (the trace slows the launches).
-      timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode $B16_128K --new_tokens=9 \
+      timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode $B16_128K ${KERNELS_ARGS:-} \
+        --new_tokens=9 \
         --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 \
         | tee $OUT/decode_kernels.log | grep -E "tpot|Error"
       python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=700 \
@@ -470,6 +475,18 @@ PY
       for flag in "" --expert_sort=xla ""; do
         timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K $flag \
           --out=$OUT/decode_expert_sort.json 2>&1 | tee -a $OUT/decode_expert_sort.log \
+          | grep -E "tpot|Error"
+      done
+      ;;
+    kda_decode)
+      # The fused KDA decode step (pallas_kernels/kda_decode/triton.py): its GPU tests, then
+      # k3_small's decode loop with it, without (the XLA tier), with.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KDA_DECODE_TEST_S:-120} python3 -m pytest \
+        -q -p no:cacheprovider tests/pallas_kernels/test_kda_decode.py 2>&1 \
+        | tee $OUT/kda_decode_tests.log | tail -3
+      for flag in --kda_decode=triton --kda_decode=xla --kda_decode=triton; do
+        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K $flag \
+          --out=$OUT/decode_kda_decode.json 2>&1 | tee -a $OUT/decode_kda_decode.log \
           | grep -E "tpot|Error"
       done
       ;;

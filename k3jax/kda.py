@@ -15,6 +15,8 @@ from k3jax import context_parallel
 from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import kda as kda_ops
+from pallas_kernels import kda_decode
+from pallas_kernels.kda.reference import forget_gate
 
 
 def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = None,
@@ -43,25 +45,9 @@ def short_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array | None = 
     y = y + tap
   if lengths is None:
     return y.astype(x.dtype), xp[:, t:]
-  if t == 1:  # decode: a select of two slices fuses where the per-row slice is a gather
-    return y.astype(x.dtype), jnp.where((lengths > 0)[:, None, None], xp[:, 1:], xp[:, :-1])
   tail = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1))(
       xp, lengths.astype(jnp.int32))
   return y.astype(x.dtype), tail
-
-
-def forget_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, kind: str,
-                lower_bound: float) -> jax.Array:
-  """Log-decay g [B, T, H, K] in fp32 from the low-rank logits f [B, T, H, K].
-
-  lower_bound (K3): g = lb * sigmoid(e^A (f + dt_bias)) in (lb, 0).
-  softplus (Kimi Linear): g = -e^A * softplus(f + dt_bias), unbounded below.
-  """
-  z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-  a = jnp.exp(a_log.astype(jnp.float32))[:, None]
-  if kind == "lower_bound":
-    return lower_bound * jax.nn.sigmoid(a * z)
-  return -a * jax.nn.softplus(z)
 
 
 def _dt_bias_init(key, shape, dtype):
@@ -76,10 +62,14 @@ class KDA(nnx.Module):
 
   def __init__(self, dim: int, *, num_heads: int, head_dim: int, conv_size: int, gate: str,
                gate_lower_bound: float, use_full_rank_gate: bool, eps: float,
-               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, impl: str = ""):
+               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, impl: str = "",
+               decode_impl: str = ""):
+    """impl: `pallas_kernels.kda` chunk tier; decode_impl: `pallas_kernels.kda_decode` tier
+    ("" = the platform default)."""
     h, d_h = num_heads, head_dim
     self.num_heads, self.head_dim, self.eps = h, d_h, eps
     self.gate_kind, self.lower_bound, self.dtype, self.impl = gate, gate_lower_bound, dtype, impl
+    self.decode_impl = decode_impl
     lin = params.fan_in_init((0,))
     proj = lambda shape, axes, init=lin: nnx.Dict(
         kernel=params.param(rngs, init, shape, axes, param_dtype))
@@ -115,15 +105,17 @@ class KDA(nnx.Module):
 
     cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv": [B, W-1, 3 H*K],
     the q, k and v conv tails side by side}; pass one to receive the updated one. Cached calls
-    run one conv over the [q | k | v] channels (the conv is depthwise), so a decode step
-    updates one tail buffer a layer (one fusion and one copy, not three of each). lengths [B] (with a cache): row b's
-    first lengths[b] tokens are its own and the rest right padding, which enters no state: its
+    of T > 1 (prefill chunks) run one conv over the [q | k | v] channels (the conv is
+    depthwise) and `chunk_kda`; T = 1 (decoding) runs `decode_step`. lengths [B] (with a
+    cache): row b's first lengths[b] tokens are its own and the rest right padding, which enters no state: its
     log-decay g and beta are 0 (the recurrence passes the state through unchanged) and the conv
     tails end at the row's last token. Without a cache, under a mesh with a `context` axis of
     size > 1 the conv and recurrence run split over it (report §5.2,
     `context_parallel.kda_token_mix`).
     """
     b, t, _ = x.shape
+    if cache is not None and t == 1:
+      return self.decode_step(x, cache, lengths)
     h, d_h, dt = self.num_heads, self.head_dim, self.dtype
     x = x.astype(dt)
     w = lambda p: p["kernel"][...].astype(dt)
@@ -154,15 +146,10 @@ class KDA(nnx.Module):
                              segment_ids, cache["conv"], lengths)
         ys = jnp.split(y, 3, axis=-1)
       q, k, v = (jax.nn.silu(y).reshape(b, t, h, d_h) for y in ys)
-      if cache is not None and t == 1:
-        o, state = kda_ops.fused_recurrent_kda(q, k, v, g, beta, initial_state=cache["state"],
-                                               output_final_state=True,
-                                               use_qk_l2norm_in_kernel=True)
-      else:
-        o, state = kda_ops.chunk_kda(
-            q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
-            output_final_state=cache is not None, segment_ids=segment_ids,
-            gate_bound=gate_bound, impl=self.impl or None, use_qk_l2norm_in_kernel=True)
+      o, state = kda_ops.chunk_kda(
+          q, k, v, g, beta, initial_state=None if cache is None else cache["state"],
+          output_final_state=cache is not None, segment_ids=segment_ids,
+          gate_bound=gate_bound, impl=self.impl or None, use_qk_l2norm_in_kernel=True)
     if self.use_full_rank_gate:
       z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
     else:
@@ -172,6 +159,35 @@ class KDA(nnx.Module):
     y = jnp.einsum("bthk,hkd->btd", o, w(self.o_proj))
     new_cache = None if cache is None else {"state": state, "conv": conv}
     return y, new_cache
+
+  def decode_step(self, x: jax.Array, cache: dict, lengths: jax.Array | None
+                  ) -> tuple[jax.Array, dict]:
+    """One new token per row, x [B, 1, d] (`__call__` with a cache and T = 1): every input
+    projection as one GEMM into [q | k | v | z | f_a | beta logits] (XLA hoists the weights'
+    concatenation out of a decode loop), `pallas_kernels.kda_decode` for the conv, gates,
+    recurrence and gated output norm (one kernel on GPUs), then o_proj."""
+    b, d = x.shape[0], x.shape[-1]
+    h, d_h, dt = self.num_heads, self.head_dim, self.dtype
+    w = lambda p: p["kernel"][...].astype(dt)
+    flat = lambda p: w(p).reshape(d, -1)
+    x = x[:, 0].astype(dt)
+    qkv = [flat(p) for p in (self.q_proj, self.k_proj, self.v_proj)]
+    gate_in = [w(self.f_a_proj), w(self.b_proj)]
+    if self.use_full_rank_gate:
+      proj = x @ jnp.concatenate(qkv + [flat(self.g_proj)] + gate_in, axis=1)
+    else:
+      main = x @ jnp.concatenate(qkv + gate_in, axis=1)
+      z = (x @ w(self.g_a_proj)) @ w(self.g_b_proj).reshape(d_h, h * d_h)
+      proj = jnp.concatenate([main[:, :3 * h * d_h], z, main[:, 3 * h * d_h:]], axis=1)
+    conv_weight = jnp.concatenate([w(c) for c in (self.q_conv1d, self.k_conv1d,
+                                                  self.v_conv1d)], axis=-1)
+    o, conv, state = kda_decode.kda_decode_step(
+        proj, cache["conv"], conv_weight, w(self.f_b_proj), self.A_log[...],
+        self.dt_bias[...], self.o_norm["scale"][...], cache["state"], lengths,
+        gate=self.gate_kind, lower_bound=self.lower_bound, norm_eps=self.eps,
+        impl=self.decode_impl or None)
+    y = jnp.einsum("bhk,hkd->bd", o.reshape(b, h, d_h), w(self.o_proj))
+    return y[:, None], {"state": state, "conv": conv}
 
   def init_cache(self, batch: int) -> dict:
     width, channels = self.q_conv1d["kernel"].shape

@@ -131,6 +131,7 @@ class DecoderLayer(nnx.Module):
     gate_up_train = kernels.gate_up_train if kernels else "kernel"
     attention_impl = kernels.attention_impl if kernels else ""
     decode_attention_impl = kernels.decode_attention_impl if kernels else ""
+    kda_decode_impl = kernels.get("kda_decode_impl", "") if kernels else ""
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
     dt, pdt = config_lib.dtype(cfg.dtype), config_lib.dtype(cfg.param_dtype)
     self.kind, self.is_moe = layer_kinds(cfg)[index]
@@ -143,7 +144,8 @@ class DecoderLayer(nnx.Module):
                            conv_size=k.short_conv_kernel_size, gate=k.gate,
                            gate_lower_bound=k.gate_lower_bound,
                            use_full_rank_gate=k.use_full_rank_gate, eps=eps, rngs=rngs,
-                           dtype=dt, param_dtype=pdt, impl=kda_impl)
+                           dtype=dt, param_dtype=pdt, impl=kda_impl,
+                           decode_impl=kda_decode_impl)
     else:
       a = cfg.mla
       self.self_attn = GatedMLA(d, num_heads=a.num_heads, q_lora_rank=a.q_lora_rank,

@@ -26,6 +26,20 @@ def compute_dtype(*arrays: jax.Array | None) -> jnp.dtype:
 L2_EPS = 1e-6
 
 
+def forget_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, kind: str,
+                lower_bound: float) -> jax.Array:
+  """Log-decay g [B, T, H, K] in fp32 from the low-rank logits f [B, T, H, K].
+
+  lower_bound (K3): g = lb * sigmoid(e^A (f + dt_bias)) in (lb, 0).
+  softplus (Kimi Linear): g = -e^A * softplus(f + dt_bias), unbounded below.
+  """
+  z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+  a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+  if kind == "lower_bound":
+    return lower_bound * jax.nn.sigmoid(a * z)
+  return -a * jax.nn.softplus(z)
+
+
 def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
   """x / sqrt(sum x^2 + eps) over the last axis in fp32, back in x's dtype (fla `l2norm`)."""
   xf = x.astype(jnp.float32)

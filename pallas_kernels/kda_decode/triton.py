@@ -1,0 +1,124 @@
+"""Triton tier: one KDA layer's decode step in one kernel, one program per (row, head).
+
+Each program reads its head's K columns of q, k, v, z and the row's f_a and beta logit from
+proj, the W-1 tail rows of its q, k, v channels, its [R, K] slice of f_b and its state
+S [K, K] (fp32), and computes in fp32 registers (xla.py states the math): the conv and SiLU,
+the L2 norms, the gate (f_a f_b in the program: a [R, K] multiply and column sum), beta, the
+decay, delta rule and readout, and the gated RMSNorm of the output. It writes o and the new
+state and conv tail over the old ones' buffers (`input_output_aliases`), so a decode loop
+carrying them updates them in place. The state is written after the readout's reductions and
+the tail rows last, so every thread has read the old values before any is overwritten.
+At k3_small's decode (B 16, H 8, K 128) that is 128 programs of 8 warps, one kernel where the
+XLA form of the same step takes six (gate product, gate and operand fusion, conv tail update
+and its copy, recurrence, output norm and gate).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+from pallas_kernels import tiers
+from pallas_kernels.kda import reference
+
+NUM_WARPS = 8
+MAX_DIM = 128       # K and R: the [K, K] state and [R, K] gate tiles live in registers
+_F32 = jnp.float32
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def is_gpu() -> bool:
+  return plgpu_triton.is_gpu_device()
+
+
+def supports(proj, conv_tail, *, f_b, interpret: bool = False) -> str | None:
+  """None if the kernel takes the call (arrays or ShapeDtypeStructs), else why not."""
+  if not interpret and not is_gpu():
+    return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"
+  r, _, k = f_b.shape
+  for name, n in (("K", k), ("R", r)):
+    if n > MAX_DIM or n & (n - 1) or n < 16:
+      return f"needs {name} a power of two in [16, {MAX_DIM}], got {name}={n}"
+  for name, a in (("proj", proj), ("conv_tail", conv_tail), ("f_b", f_b)):
+    if jnp.dtype(a.dtype) not in _DTYPES:
+      return f"needs bfloat16 or float32 {name}, got {a.dtype}"
+  return tiers.triton_offsets_reason(proj=proj, conv_tail=conv_tail)
+
+
+def _i32(i: int) -> jax.Array:
+  """A static index as a traced scalar (Pallas's interpreter indexes refs by arrays only)."""
+  return jnp.int32(i)
+
+
+def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, state_ref,
+            len_ref, o_ref, tail_out, state_out, *, heads: int, k: int, r: int, width: int, gate: str,
+            lower_bound: float, scale: float, eps: float):
+  b, h = pl.program_id(0), pl.program_id(1)
+  hk = heads * k
+  load = lambda ref: plgpu_triton.load(ref).astype(_F32)
+  valid = plgpu_triton.load(len_ref.at[pl.ds(b, 1)]) > 0                     # [1]
+  ys, tails = [], []
+  for sec in range(3):                                                        # q, k, v
+    cols = pl.ds(sec * hk + h * k, k)
+    x = load(proj_ref.at[b, cols])
+    taps = [load(tail_ref.at[b, _i32(j), cols]) for j in range(width - 1)]
+    acc = x * load(cw_ref.at[_i32(width - 1), cols])
+    for j in range(width - 1):
+      acc = acc + taps[j] * load(cw_ref.at[_i32(j), cols])
+    ys.append(acc * jax.nn.sigmoid(acc))
+    tails.append((cols, [jnp.where(valid, new, old) for new, old in zip(taps[1:] + [x], taps)]))
+  q, kk, v = ys
+  q = q * jax.lax.rsqrt(jnp.sum(q * q) + reference.L2_EPS) * scale
+  kk = kk * jax.lax.rsqrt(jnp.sum(kk * kk) + reference.L2_EPS)
+  z = load(proj_ref.at[b, pl.ds(3 * hk + h * k, k)])
+  fa = load(proj_ref.at[b, pl.ds(4 * hk, r)])
+  f = jnp.sum(fa[:, None] * load(fb_ref.at[pl.ds(0, r), h, pl.ds(0, k)]), axis=0)   # [K]
+  f = f + load(dtb_ref.at[pl.ds(h * k, k)])
+  a = jnp.exp(load(alog_ref.at[pl.ds(h, 1)]))
+  if gate == "lower_bound":
+    g = lower_bound * jax.nn.sigmoid(a * f)
+  else:
+    g = -a * (jnp.maximum(f, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(f))))
+  beta = jax.nn.sigmoid(load(proj_ref.at[b, pl.ds(4 * hk + r + h, 1)]))
+  g = jnp.where(valid, g, 0.0)
+  beta = jnp.where(valid, beta, 0.0)
+  s = plgpu_triton.load(state_ref.at[b, h]) * jnp.exp(g)[:, None]           # [K, V]
+  u = v - jnp.sum(s * kk[:, None], axis=0)
+  s = s + (beta * kk)[:, None] * u[None, :]
+  o = jnp.sum(s * q[:, None], axis=0)
+  o = o * jax.lax.rsqrt(jnp.sum(o * o) / k + eps)
+  o = o * load(onorm_ref.at[pl.ds(0, k)]) * jax.nn.sigmoid(z)
+  plgpu_triton.store(o_ref.at[b, pl.ds(h * k, k)], o.astype(o_ref.dtype))
+  plgpu_triton.store(state_out.at[b, h], s)
+  for cols, rows in tails:
+    for j, row in enumerate(rows):
+      plgpu_triton.store(tail_out.at[b, _i32(j), cols], row.astype(tail_out.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "scale", "norm_eps",
+                                             "interpret"))
+def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, lengths,
+                    *, gate: str, lower_bound: float, scale: float, norm_eps: float,
+                    interpret: bool = False):
+  """See `api.kda_decode_step`; the tail and the state are written in place."""
+  if reason := supports(proj, conv_tail, f_b=f_b, interpret=interpret):
+    raise ValueError(f"the triton tier does not take this call: {reason}")
+  r, h, k = f_b.shape
+  b = proj.shape[0]
+  if lengths is None:
+    lengths = jnp.ones((b,), jnp.int32)
+  kernel = functools.partial(_kernel, heads=h, k=k, r=r, width=conv_weight.shape[0], gate=gate,
+                             lower_bound=lower_bound, scale=scale, eps=norm_eps)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((b, h * k), proj.dtype),
+                 jax.ShapeDtypeStruct(conv_tail.shape, conv_tail.dtype),
+                 jax.ShapeDtypeStruct(state.shape, _F32)),
+      grid=(b, h),
+      input_output_aliases={1: 1, 7: 2},
+      compiler_params=plgpu_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+      name="kda_decode_step",
+  )(proj, conv_tail, conv_weight, f_b, a_log.astype(_F32), dt_bias, o_norm,
+    state.astype(_F32), lengths.astype(jnp.int32))
