@@ -175,6 +175,7 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: dict, tok: jax.Arra
   The model as `nnx.split(model)` gives it (see `_prefill`).
   """
   model = nnx.merge(graphdef, state)
+  model.prepare_decode()   # weight concatenations made once, outside the while loop
   b = tok.shape[0]
   done = tok == eos_id
   out = jnp.zeros((b, capacity), jnp.int32).at[:, 0].set(tok)

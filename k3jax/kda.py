@@ -160,27 +160,40 @@ class KDA(nnx.Module):
     new_cache = None if cache is None else {"state": state, "conv": conv}
     return y, new_cache
 
+  def decode_weights(self) -> tuple[jax.Array, jax.Array]:
+    """(W_in, conv) in the compute dtype: the input projections side by side, [q | k | v | z |
+    f_a | b] [d, 4HK + R + H] ([q | k | v | f_a | b] with a low-rank output gate), and the
+    q, k, v conv kernels [W, 3HK]: the concatenations `decode_step` reads."""
+    d = self.q_proj["kernel"].shape[0]
+    w = lambda p: p["kernel"][...].astype(self.dtype)
+    flat = lambda p: w(p).reshape(d, -1)
+    z = [flat(self.g_proj)] if self.use_full_rank_gate else []
+    w_in = jnp.concatenate([flat(p) for p in (self.q_proj, self.k_proj, self.v_proj)] + z
+                           + [w(self.f_a_proj), w(self.b_proj)], axis=1)
+    conv = jnp.concatenate([w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], -1)
+    return w_in, conv
+
+  def prepare_decode(self) -> None:
+    """Computes `decode_weights` once for the decode steps that follow in the same trace (a
+    decode loop calls it before its while loop: XLA on GPUs does not hoist the concatenations
+    out of the loop, and k3_small copied 8.7 MB a KDA layer every step)."""
+    self.prepared_decode_weights = self.decode_weights()
+
   def decode_step(self, x: jax.Array, cache: dict, lengths: jax.Array | None
                   ) -> tuple[jax.Array, dict]:
     """One new token per row, x [B, 1, d] (`__call__` with a cache and T = 1): every input
-    projection as one GEMM into [q | k | v | z | f_a | beta logits] (XLA hoists the weights'
-    concatenation out of a decode loop), `pallas_kernels.kda_decode` for the conv, gates,
-    recurrence and gated output norm (one kernel on GPUs), then o_proj."""
-    b, d = x.shape[0], x.shape[-1]
+    projection as one GEMM into [q | k | v | z | f_a | beta logits] (`decode_weights`, or the
+    ones `prepare_decode` made), `pallas_kernels.kda_decode` for the conv, gates, recurrence
+    and gated output norm (one kernel on GPUs), then o_proj."""
+    b = x.shape[0]
     h, d_h, dt = self.num_heads, self.head_dim, self.dtype
     w = lambda p: p["kernel"][...].astype(dt)
-    flat = lambda p: w(p).reshape(d, -1)
     x = x[:, 0].astype(dt)
-    qkv = [flat(p) for p in (self.q_proj, self.k_proj, self.v_proj)]
-    gate_in = [w(self.f_a_proj), w(self.b_proj)]
-    if self.use_full_rank_gate:
-      proj = x @ jnp.concatenate(qkv + [flat(self.g_proj)] + gate_in, axis=1)
-    else:
-      main = x @ jnp.concatenate(qkv + gate_in, axis=1)
+    w_in, conv_weight = getattr(self, "prepared_decode_weights", None) or self.decode_weights()
+    proj = x @ w_in
+    if not self.use_full_rank_gate:
       z = (x @ w(self.g_a_proj)) @ w(self.g_b_proj).reshape(d_h, h * d_h)
-      proj = jnp.concatenate([main[:, :3 * h * d_h], z, main[:, 3 * h * d_h:]], axis=1)
-    conv_weight = jnp.concatenate([w(c) for c in (self.q_conv1d, self.k_conv1d,
-                                                  self.v_conv1d)], axis=-1)
+      proj = jnp.concatenate([proj[:, :3 * h * d_h], z, proj[:, 3 * h * d_h:]], axis=1)
     o, conv, state = kda_decode.kda_decode_step(
         proj, cache["conv"], conv_weight, w(self.f_b_proj), self.A_log[...],
         self.dt_bias[...], self.o_norm["scale"][...], cache["state"], lengths,

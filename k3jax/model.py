@@ -477,6 +477,12 @@ class K3ForCausalLM(nnx.Module):
     return {"index": jnp.zeros((batch,), jnp.int32),
             "layers": [layer.init_cache(batch, max_len) for layer in self.layers]}
 
+  def prepare_decode(self) -> None:
+    """Each KDA layer's `prepare_decode`: call once before a decode loop, in its trace."""
+    for layer in self.layers:
+      if layer.kind == "kda":
+        layer.self_attn.prepare_decode()
+
   def extend(self, tokens: jax.Array, cache: dict, lengths: jax.Array | None = None
              ) -> tuple[jax.Array, dict]:
     """Prefill or decode: logits [B, T, V] of `tokens` continuing `cache`, and the new cache

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,6 +105,35 @@ def test_greedy_equals_full_forward_loop(tiny, greedy):
     seq = np.concatenate([seq, nxt[:, None]], axis=1)
   assert greedy.shape == (2, 4 + _NEW) and greedy.dtype == np.int32
   np.testing.assert_array_equal(greedy, seq)
+
+
+def test_decode_loop_concatenates_no_weights(tiny):
+  """The KDA layers' input projections and conv kernels are concatenated once, before the
+  while loop (`prepare_decode`), not in its body, where XLA on GPUs did not hoist them."""
+  model, _ = tiny
+  graphdef, state = nnx.split(model)
+  b = 2
+  args = (graphdef, state, model.init_cache(b, 8), jnp.zeros((b,), jnp.int32),
+          jax.random.key(0), jnp.float32(0), jnp.float32(1), jnp.int32(-1), jnp.int32(4))
+  jaxpr = jax.make_jaxpr(lambda *a: generate._decode(*a, capacity=4), static_argnums=0)(*args)
+  kda_layer = next(layer.self_attn for layer in model.layers if layer.kind == "kda")
+  weights = {tuple(w.shape) for w in kda_layer.decode_weights()}
+
+  def walk(jx, in_loop):
+    """(shape, inside the while body) of every concatenation."""
+    for e in jx.eqns:
+      if e.primitive.name == "concatenate":
+        yield tuple(e.outvars[0].aval.shape), in_loop
+      for value in e.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            yield from walk(sub.jaxpr, in_loop or e.primitive.name == "while")
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            yield from walk(sub, in_loop or e.primitive.name == "while")
+
+  found = set(walk(jaxpr.jaxpr, False))
+  assert {(s, False) for s in weights} <= found
+  assert not {(s, True) for s in weights} & found
 
 
 def test_scanned_layers_generate_what_unrolled_ones_do():
