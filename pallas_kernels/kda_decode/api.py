@@ -19,7 +19,7 @@ Returns (o [B, HK] in proj's dtype, the new conv_tail, the new state fp32).
 
 Tiers ("impl"): "xla" (the reference, `xla.py`, fp32) and "triton" (one program per row and
 head, `triton.py`; it writes the tail and the state over their inputs' buffers). impl=None runs
-triton on a GPU while TRITON_IS_DEFAULT, else xla; a named tier that declines falls through to
+triton on a GPU (while TRITON_IS_DEFAULT), else xla; a named tier that declines falls through to
 xla. `plan(...)` returns the tier and every reason a tier declined.
 """
 import types
@@ -34,8 +34,8 @@ from pallas_kernels.kda_decode import xla
 IMPLS = ("xla", "triton")
 TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton}
 GATES = ("lower_bound", "softplus")
-# Off until the kernel's tests pass on a GPU.
-TRITON_IS_DEFAULT = False
+# On since its tests passed compiled on an H100 (2026-12-07).
+TRITON_IS_DEFAULT = True
 Plan = tiers.Plan
 
 

@@ -57,6 +57,8 @@ def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, st
   b, h = pl.program_id(0), pl.program_id(1)
   hk = heads * k
   load = lambda ref: plgpu_triton.load(ref).astype(_F32)
+  s = plgpu_triton.load(state_ref.at[b, h])          # [K, V], issued first: the largest read
+  w_fb = load(fb_ref.at[pl.ds(0, r), h, pl.ds(0, k)])                        # [R, K]
   valid = plgpu_triton.load(len_ref.at[pl.ds(b, 1)]) > 0                     # [1]
   ys, tails = [], []
   for sec in range(3):                                                        # q, k, v
@@ -73,7 +75,7 @@ def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, st
   kk = kk * jax.lax.rsqrt(jnp.sum(kk * kk) + reference.L2_EPS)
   z = load(proj_ref.at[b, pl.ds(3 * hk + h * k, k)])
   fa = load(proj_ref.at[b, pl.ds(4 * hk, r)])
-  f = jnp.sum(fa[:, None] * load(fb_ref.at[pl.ds(0, r), h, pl.ds(0, k)]), axis=0)   # [K]
+  f = jnp.sum(fa[:, None] * w_fb, axis=0)                                     # [K]
   f = f + load(dtb_ref.at[pl.ds(h * k, k)])
   a = jnp.exp(load(alog_ref.at[pl.ds(h, 1)]))
   if gate == "lower_bound":
@@ -83,7 +85,7 @@ def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, st
   beta = jax.nn.sigmoid(load(proj_ref.at[b, pl.ds(4 * hk + r + h, 1)]))
   g = jnp.where(valid, g, 0.0)
   beta = jnp.where(valid, beta, 0.0)
-  s = plgpu_triton.load(state_ref.at[b, h]) * jnp.exp(g)[:, None]           # [K, V]
+  s = s * jnp.exp(g)[:, None]
   u = v - jnp.sum(s * kk[:, None], axis=0)
   s = s + (beta * kk)[:, None] * u[None, :]
   o = jnp.sum(s * q[:, None], axis=0)

@@ -97,9 +97,9 @@ def test_bf16_projections():
 
 def test_default_and_declines(monkeypatch):
   args = inputs(0, 2, 2, 16, 16)
-  assert kda_decode.plan(args[0], args[1], args[3]).impl == "xla"
-  monkeypatch.setattr(api, "TRITON_IS_DEFAULT", True)
   assert kda_decode.plan(args[0], args[1], args[3]).impl == ("triton" if ON_GPU else "xla")
+  monkeypatch.setattr(api, "TRITON_IS_DEFAULT", False)
+  assert kda_decode.plan(args[0], args[1], args[3]).impl == "xla"
   wide = inputs(0, 1, 1, 256, 16)
   p = kda_decode.plan(wide[0], wide[1], wide[3], impl="triton", interpret=True)
   assert p.impl == "xla" and "K a power of two" in p.declined[0][1]
