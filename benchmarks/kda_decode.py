@@ -77,8 +77,8 @@ def run_fla(x, b, h):
   f_a = proj[:, 4 * hk:4 * hk + R].contiguous()
   beta = proj[:, 4 * hk + R:].reshape(b, 1, h).contiguous()
   caches = []
-  for i in range(COPIES):      # fla's conv cache [B, D, W] holds the W inputs, newest last
-    full = np.concatenate([x["tail"], x["proj"][:, None, :3 * hk]], 1).transpose(0, 2, 1)
+  for i in range(COPIES):      # fla's conv cache [B, D, W]: slots 1..W-1 the last W-1 inputs
+    full = np.concatenate([np.zeros_like(x["tail"][:, :1]), x["tail"]], 1).transpose(0, 2, 1)
     caches.append(t(full))
   states = [t(x["state"] + i, torch.float32) for i in range(COPIES)]
   turn = itertools.count()

@@ -69,7 +69,7 @@ def check(got, want, atol):
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 @pytest.mark.parametrize("impl", ["xla", "triton"])
 @pytest.mark.parametrize("b,h,k,r,w,lengths", [
-    (3, 2, 16, 16, 4, [1, 0, 5]), (2, 3, 32, 16, 2, None), (1, 1, 64, 32, 3, [0])])
+    (3, 2, 32, 32, 4, [1, 0, 5]), (2, 3, 32, 64, 2, None), (1, 1, 64, 32, 3, [0])])
 def test_tiers_match_fp64_oracle(gate, impl, b, h, k, r, w, lengths):
   args = inputs(b * 10 + k, b, h, k, r, w, lengths=lengths)
   p = kda_decode.plan(args[0], args[1], args[3], impl=impl, interpret=True)
@@ -96,14 +96,14 @@ def test_bf16_projections():
 
 
 def test_default_and_declines(monkeypatch):
-  args = inputs(0, 2, 2, 16, 16)
+  args = inputs(0, 2, 2, 32, 32)
   assert kda_decode.plan(args[0], args[1], args[3]).impl == ("triton" if ON_GPU else "xla")
   monkeypatch.setattr(api, "TRITON_IS_DEFAULT", False)
   assert kda_decode.plan(args[0], args[1], args[3]).impl == "xla"
   wide = inputs(0, 1, 1, 256, 16)
   p = kda_decode.plan(wide[0], wide[1], wide[3], impl="triton", interpret=True)
   assert p.impl == "xla" and "K a power of two" in p.declined[0][1]
-  odd = inputs(0, 1, 1, 16, 24)
+  odd = inputs(0, 1, 1, 32, 24)
   p = kda_decode.plan(odd[0], odd[1], odd[3], impl="triton", interpret=True)
   assert p.impl == "xla" and "R a power of two" in p.declined[0][1]
   got = kda_decode.kda_decode_step(*wide, impl="triton", interpret=True)
