@@ -1,20 +1,16 @@
 """Triton tier: one KDA layer's decode step in one kernel, one program per (row, head).
 
-Each program reads its head's K columns of q, k, z and v, the row's f_a and beta logit from
-proj, the W-1 tail rows of its q, k, v channels, f_b's [R, K] slice of its head and its state
+Each program reads its head's K columns of q, k, v, z and the row's f_a and beta logit from
+proj, the W-1 tail rows of its q, k, v channels, its [R, K] slice of f_b and its state
 S [K, K] (fp32), and computes in fp32 registers (xla.py states the math): the conv and SiLU,
-the L2 norms, the gate (f_a f_b in [32, K] slices), beta; then, for each block of 32 state
-columns, the decay, delta rule and readout; then the gated RMSNorm of the output. Tiles of at
-most [K, 32] keep a program at 4 warps and few registers, so several programs share an SM (K3's
-B 16 x 96 heads: 1536 programs). It writes o and the new state and conv tail over the old ones'
-buffers (`input_output_aliases`), so a decode loop carrying them updates them in place. Only
-the program of a (row, head) touches that head's state and tail channels; its tail rows are
-written last, after the readout's reductions, so every thread has read the old rows before any
-is overwritten. Splitting a head's columns over programs (as fla's fused_recurrent_kda does)
-would race there: every program reads all of the head's q and k tail channels.
-At k3_small's decode (B 16, H 8, K 128) that is 128 programs, one kernel where the XLA form of
-the same step takes six (gate product, gate and operand fusion, conv tail update and its copy,
-recurrence, output norm and gate).
+the L2 norms, the gate (f_a f_b in the program: a [R, K] multiply and column sum), beta, the
+decay, delta rule and readout, and the gated RMSNorm of the output. It writes o and the new
+state and conv tail over the old ones' buffers (`input_output_aliases`), so a decode loop
+carrying them updates them in place. The state is written after the readout's reductions and
+the tail rows last, so every thread has read the old values before any is overwritten.
+At k3_small's decode (B 16, H 8, K 128) that is 128 programs of 8 warps, one kernel where the
+XLA form of the same step takes six (gate product, gate and operand fusion, conv tail update
+and its copy, recurrence, output norm and gate).
 """
 import functools
 
@@ -26,9 +22,8 @@ from jax.experimental.pallas import triton as plgpu_triton
 from pallas_kernels import tiers
 from pallas_kernels.kda import reference
 
-NUM_WARPS = 4
-BLOCK = 32          # state columns and f_b rows per step: [K, 32] tiles keep registers low
-MAX_DIM = 128       # K and R
+NUM_WARPS = 8
+MAX_DIM = 128       # K and R: the [K, K] state and [R, K] gate tiles live in registers
 _F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -43,8 +38,8 @@ def supports(proj, conv_tail, *, f_b, interpret: bool = False) -> str | None:
     return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"
   r, _, k = f_b.shape
   for name, n in (("K", k), ("R", r)):
-    if n > MAX_DIM or n & (n - 1) or n < BLOCK:
-      return f"needs {name} a power of two in [{BLOCK}, {MAX_DIM}], got {name}={n}"
+    if n > MAX_DIM or n & (n - 1) or n < 16:
+      return f"needs {name} a power of two in [16, {MAX_DIM}], got {name}={n}"
   for name, a in (("proj", proj), ("conv_tail", conv_tail), ("f_b", f_b)):
     if jnp.dtype(a.dtype) not in _DTYPES:
       return f"needs bfloat16 or float32 {name}, got {a.dtype}"
@@ -62,50 +57,42 @@ def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, st
   b, h = pl.program_id(0), pl.program_id(1)
   hk = heads * k
   load = lambda ref: plgpu_triton.load(ref).astype(_F32)
+  s = plgpu_triton.load(state_ref.at[b, h])          # [K, V], issued first: the largest read
+  w_fb = load(fb_ref.at[pl.ds(0, r), h, pl.ds(0, k)])                        # [R, K]
   valid = plgpu_triton.load(len_ref.at[pl.ds(b, 1)]) > 0                     # [1]
-  tails = []
-
-  def conv(first, n):
-    """SiLU(conv) of channels [first, first + n) and their new tail rows."""
-    cols = pl.ds(first, n)
+  ys, tails = [], []
+  for sec in range(3):                                                        # q, k, v
+    cols = pl.ds(sec * hk + h * k, k)
     x = load(proj_ref.at[b, cols])
     taps = [load(tail_ref.at[b, _i32(j), cols]) for j in range(width - 1)]
     acc = x * load(cw_ref.at[_i32(width - 1), cols])
     for j in range(width - 1):
       acc = acc + taps[j] * load(cw_ref.at[_i32(j), cols])
+    ys.append(acc * jax.nn.sigmoid(acc))
     tails.append((cols, [jnp.where(valid, new, old) for new, old in zip(taps[1:] + [x], taps)]))
-    return acc * jax.nn.sigmoid(acc)
-
-  q, kk = conv(h * k, k), conv(hk + h * k, k)
+  q, kk, v = ys
   q = q * jax.lax.rsqrt(jnp.sum(q * q) + reference.L2_EPS) * scale
   kk = kk * jax.lax.rsqrt(jnp.sum(kk * kk) + reference.L2_EPS)
-  f = load(dtb_ref.at[pl.ds(h * k, k)])
-  for c in range(0, r, BLOCK):                   # f_a f_b in [BLOCK, K] slices of f_b
-    fa = load(proj_ref.at[b, pl.ds(4 * hk + c, BLOCK)])
-    f = f + jnp.sum(fa[:, None] * load(fb_ref.at[pl.ds(c, BLOCK), h, pl.ds(0, k)]), axis=0)
+  z = load(proj_ref.at[b, pl.ds(3 * hk + h * k, k)])
+  fa = load(proj_ref.at[b, pl.ds(4 * hk, r)])
+  f = jnp.sum(fa[:, None] * w_fb, axis=0)                                     # [K]
+  f = f + load(dtb_ref.at[pl.ds(h * k, k)])
   a = jnp.exp(load(alog_ref.at[pl.ds(h, 1)]))
   if gate == "lower_bound":
     g = lower_bound * jax.nn.sigmoid(a * f)
   else:
     g = -a * (jnp.maximum(f, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(f))))
   beta = jax.nn.sigmoid(load(proj_ref.at[b, pl.ds(4 * hk + r + h, 1)]))
-  decay = jnp.exp(jnp.where(valid, g, 0.0))
-  kb = jnp.where(valid, beta, 0.0) * kk
-  outs = []
-  for c in range(0, k, BLOCK):                   # the state in [K, BLOCK] column blocks
-    cols = pl.ds(c, BLOCK)
-    v = conv(2 * hk + h * k + c, BLOCK)
-    st = plgpu_triton.load(state_ref.at[b, h, pl.ds(0, k), cols]) * decay[:, None]
-    u = v - jnp.sum(st * kk[:, None], axis=0)
-    st = st + kb[:, None] * u[None, :]
-    outs.append(jnp.sum(st * q[:, None], axis=0))
-    plgpu_triton.store(state_out.at[b, h, pl.ds(0, k), cols], st)
-  rms = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / k + eps)
-  for i, o in enumerate(outs):
-    cols = pl.ds(i * BLOCK, BLOCK)
-    z = load(proj_ref.at[b, pl.ds(3 * hk + h * k + i * BLOCK, BLOCK)])
-    o = o * rms * load(onorm_ref.at[cols]) * jax.nn.sigmoid(z)
-    plgpu_triton.store(o_ref.at[b, pl.ds(h * k + i * BLOCK, BLOCK)], o.astype(o_ref.dtype))
+  g = jnp.where(valid, g, 0.0)
+  beta = jnp.where(valid, beta, 0.0)
+  s = s * jnp.exp(g)[:, None]
+  u = v - jnp.sum(s * kk[:, None], axis=0)
+  s = s + (beta * kk)[:, None] * u[None, :]
+  o = jnp.sum(s * q[:, None], axis=0)
+  o = o * jax.lax.rsqrt(jnp.sum(o * o) / k + eps)
+  o = o * load(onorm_ref.at[pl.ds(0, k)]) * jax.nn.sigmoid(z)
+  plgpu_triton.store(o_ref.at[b, pl.ds(h * k, k)], o.astype(o_ref.dtype))
+  plgpu_triton.store(state_out.at[b, h], s)
   for cols, rows in tails:
     for j, row in enumerate(rows):
       plgpu_triton.store(tail_out.at[b, _i32(j), cols], row.astype(tail_out.dtype))
