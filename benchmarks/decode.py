@@ -35,8 +35,10 @@ measures JAX's dispatch and a trace (`common.device_ms`) would be needed. Cached
 layers unrolled (`K3ForCausalLM.hidden_states`), so a step reads each weight in place, once.
 `--decode_attention_impl` picks the MLA layers' decode attention tier
 (recorded with the tier that ran); `--expert_format=mxfp4` holds the routed experts packed, as
-K3 serves them (random codes; the floor counts the packed bytes). Records are merged into
-`--out` after each L.
+K3 serves them (random codes; the floor counts the packed bytes); `--kda_decode` and
+`--expert_sort` pick the KDA layers' decode step and the MoE's sort ("xla" against the GPU's
+Triton default; the KDA tier that ran is recorded). Records are merged into `--out` after
+each L.
 `--profile_dir=DIR` traces one decode loop per (variant, B) at the first context: device time
 per kernel, then per part of the model (`benchmarks/step_parts.py`, with the kernels of each
 part in the compiled loop; DIR/VARIANT_BB/parts.json).
@@ -114,8 +116,7 @@ CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
 TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=6, chunk_tokens=32)
 KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "kda_decode_tier",
-              "moe_decode_experts",
-              "moe_kernels", "expert_format", "xla_flags", "device")
+              "moe_decode_experts", "moe_kernels", "expert_format", "xla_flags", "device")
 
 
 def variant_config(name: str, toy: bool, decode_attention_impl: str = "",

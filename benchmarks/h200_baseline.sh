@@ -565,6 +565,7 @@ PY
     *)
       echo "unknown section $section (ceilings, gpu_tests, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
         moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_triton, mxfp4_ncu, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
+        decode_kernels, expert_sort, kda_decode, decode_ab, kda_decode_tests, moe_decode_configs,
         train_parts, train_trace)"; exit 2
       ;;
   esac

@@ -107,10 +107,10 @@ class KDA(nnx.Module):
     the q, k and v conv tails side by side}; pass one to receive the updated one. Cached calls
     of T > 1 (prefill chunks) run one conv over the [q | k | v] channels (the conv is
     depthwise) and `chunk_kda`; T = 1 (decoding) runs `decode_step`. lengths [B] (with a
-    cache): row b's first lengths[b] tokens are its own and the rest right padding, which enters no state: its
-    log-decay g and beta are 0 (the recurrence passes the state through unchanged) and the conv
-    tails end at the row's last token. Without a cache, under a mesh with a `context` axis of
-    size > 1 the conv and recurrence run split over it (report §5.2,
+    cache): row b's first lengths[b] tokens are its own and the rest right padding, which
+    enters no state: its log-decay g and beta are 0 (the recurrence passes the state through
+    unchanged) and the conv tails end at the row's last token. Without a cache, under a mesh
+    with a `context` axis of size > 1 the conv and recurrence run split over it (report §5.2,
     `context_parallel.kda_token_mix`).
     """
     b, t, _ = x.shape

@@ -52,8 +52,8 @@ def _i32(i: int) -> jax.Array:
 
 
 def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, state_ref,
-            len_ref, o_ref, tail_out, state_out, *, heads: int, k: int, r: int, width: int, gate: str,
-            lower_bound: float, scale: float, eps: float):
+            len_ref, o_ref, tail_out, state_out, *, heads: int, k: int, r: int, width: int,
+            gate: str, lower_bound: float, scale: float, eps: float):
   b, h = pl.program_id(0), pl.program_id(1)
   hk = heads * k
   load = lambda ref: plgpu_triton.load(ref).astype(_F32)
