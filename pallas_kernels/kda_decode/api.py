@@ -58,16 +58,18 @@ def _check(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, len
               o_norm=(k,), state=(b, h, k, k))
   if lengths is not None:
     want["lengths"] = (b,)
-  arrays = dict(proj=proj, conv_weight=conv_weight, conv_tail=conv_tail, a_log=a_log,
-                dt_bias=dt_bias, o_norm=o_norm, state=state, lengths=lengths)
+  arrays = dict(proj=proj, conv_weight=conv_weight, conv_tail=conv_tail, f_b=f_b, a_log=a_log,
+                dt_bias=dt_bias, o_norm=o_norm, state=state)
   for name, shape in want.items():
-    if tuple(arrays[name].shape) != shape:
+    got = tuple((lengths if name == "lengths" else arrays[name]).shape)
+    if got != shape:
       raise ValueError(f"{name} must have shape {shape} (H={h}, K={k}, R={r} from f_b), got "
-                       f"{tuple(arrays[name].shape)}")
-  for name in ("proj", "conv_tail", "conv_weight", "f_b", "a_log", "dt_bias", "o_norm", "state"):
-    dtype = (arrays.get(name) if name != "f_b" else f_b).dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise ValueError(f"{name} must be a floating array, got dtype {dtype}")
+                       f"{got}")
+  for name, a in arrays.items():
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating array, got dtype {a.dtype}")
+  if lengths is not None and not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"lengths must be an integer array, got dtype {lengths.dtype}")
   if conv_weight.shape[0] < 2:
     raise ValueError(f"conv_weight must have a width W >= 2, got {conv_weight.shape[0]}")
 

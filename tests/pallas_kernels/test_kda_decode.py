@@ -121,6 +121,14 @@ def test_bad_shapes_name_the_argument(index, shape, match):
     kda_decode.kda_decode_step(*args)
 
 
+def test_bad_dtypes_name_the_argument():
+  args = list(inputs(0, 2, 2, 16, 16, lengths=[1, 1]))
+  with pytest.raises(ValueError, match="lengths must be an integer array"):
+    kda_decode.kda_decode_step(*args[:8], args[8].astype(jnp.float32))
+  with pytest.raises(ValueError, match="state must be a floating array"):
+    kda_decode.kda_decode_step(*args[:7], args[7].astype(jnp.int32), args[8])
+
+
 def test_bad_gate_and_impl():
   args = inputs(0, 1, 1, 16, 16)
   with pytest.raises(ValueError, match="gate must be one of"):
