@@ -36,8 +36,8 @@ COPIES = 3
 def make_inputs(b: int, h: int, seed: int = 0) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   a = lambda *s, sd=1.0: (sd * rng.standard_normal(s)).astype(np.float32)
-  return dict(proj=a(b, kda_decode.proj_width(h, K, R)), tail=a(b, W - 1, 3 * h * K),
-              conv=a(W, 3 * h * K, sd=0.5), f_b=a(R, h, K, sd=R ** -0.5), a_log=a(h, sd=0.5),
+  return dict(proj=a(b, kda_decode.proj_width(h, K, R)), tail=a(b, W - 1, 3, h * K),
+              conv=a(W, 3, h * K, sd=0.5), f_b=a(R, h, K, sd=R ** -0.5), a_log=a(h, sd=0.5),
               dt_bias=a(h * K), o_norm=1 + a(K, sd=0.1), state=a(b, h, K, K, sd=0.1))
 
 
@@ -68,7 +68,7 @@ def run_fla(x, b, h):
   t = lambda a, dt=torch.bfloat16: torch.from_numpy(np.ascontiguousarray(a)).to("cuda", dt)
   hk = h * K
   proj = t(x["proj"])
-  conv_w = t(x["conv"].T)                                             # [D, W]
+  conv_w = t(x["conv"].reshape(W, 3 * hk).T)                          # [D, W]
   f_b = t(x["f_b"].reshape(R, hk))
   a_log, dt_bias, o_norm = (t(x[n], torch.float32) for n in ("a_log", "dt_bias", "o_norm"))
   # fla's layer projects q, k, v, z, f_a and beta separately: each its own contiguous tensor
@@ -78,7 +78,8 @@ def run_fla(x, b, h):
   beta = proj[:, 4 * hk + R:].reshape(b, 1, h).contiguous()
   caches = []
   for i in range(COPIES):      # fla's conv cache [B, D, W]: slots 1..W-1 the last W-1 inputs
-    full = np.concatenate([np.zeros_like(x["tail"][:, :1]), x["tail"]], 1).transpose(0, 2, 1)
+    tail = x["tail"].reshape(b, W - 1, 3 * hk)
+    full = np.concatenate([np.zeros_like(tail[:, :1]), tail], 1).transpose(0, 2, 1)
     caches.append(t(full))
   states = [t(x["state"] + i, torch.float32) for i in range(COPIES)]
   turn = itertools.count()

@@ -33,7 +33,7 @@ _CHOICES = {
     "kernels.gate_up_train": ("unfused", "kernel"),
     "kernels.attention_impl": ("", "reference", "xla_blockwise", "cudnn", "mosaic_gpu", "splash"),
     "kernels.decode_attention_impl": ("", "reference", "xla", "mosaic_gpu", "mosaic_tpu"),
-    "kernels.kda_decode_impl": ("", "xla", "triton"),
+    "kernels.kda_decode_impl": ("", "xla", "triton", "mosaic_tpu"),
 }
 
 

@@ -103,8 +103,8 @@ class KDA(nnx.Module):
                ) -> tuple[jax.Array, dict | None]:
     """x: [B, T, d] -> ([B, T, d], new cache or None).
 
-    cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv": [B, W-1, 3 H*K],
-    the q, k and v conv tails side by side}; pass one to receive the updated one. Cached calls
+    cache (decode and chunked prefill): {"state": [B, H, K, V] fp32, "conv": [B, W-1, 3, H*K],
+    the q, k and v conv tails in one buffer}; pass one to receive the updated one. Cached calls
     of T > 1 (prefill chunks) run one conv over the [q | k | v] channels (the conv is
     depthwise) and `chunk_kda`; T = 1 (decoding) runs `decode_step`. lengths [B] (with a
     cache): row b's first lengths[b] tokens are its own and the rest right padding, which
@@ -143,7 +143,8 @@ class KDA(nnx.Module):
         ys = [short_conv(y, kernel, segment_ids)[0] for y, kernel in zip(pre, kernels)]
       else:
         y, conv = short_conv(jnp.concatenate(pre, -1), jnp.concatenate(kernels, -1),
-                             segment_ids, cache["conv"], lengths)
+                             segment_ids, cache["conv"].reshape(b, -1, 3 * h * d_h), lengths)
+        conv = conv.reshape(cache["conv"].shape)
         ys = jnp.split(y, 3, axis=-1)
       q, k, v = (jax.nn.silu(y).reshape(b, t, h, d_h) for y in ys)
       o, state = kda_ops.chunk_kda(
@@ -163,14 +164,14 @@ class KDA(nnx.Module):
   def decode_weights(self) -> tuple[jax.Array, jax.Array]:
     """(W_in, conv) in the compute dtype: the input projections side by side, [q | k | v | z |
     f_a | b] [d, 4HK + R + H] ([q | k | v | f_a | b] with a low-rank output gate), and the
-    q, k, v conv kernels [W, 3HK]: the concatenations `decode_step` reads."""
+    q, k, v conv kernels stacked [W, 3, HK]: the concatenations `decode_step` reads."""
     d = self.q_proj["kernel"].shape[0]
     w = lambda p: p["kernel"][...].astype(self.dtype)
     flat = lambda p: w(p).reshape(d, -1)
     z = [flat(self.g_proj)] if self.use_full_rank_gate else []
     w_in = jnp.concatenate([flat(p) for p in (self.q_proj, self.k_proj, self.v_proj)] + z
                            + [w(self.f_a_proj), w(self.b_proj)], axis=1)
-    conv = jnp.concatenate([w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], -1)
+    conv = jnp.stack([w(c) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=1)
     return w_in, conv
 
   def prepare_decode(self) -> None:
@@ -205,4 +206,4 @@ class KDA(nnx.Module):
   def init_cache(self, batch: int) -> dict:
     width, channels = self.q_conv1d["kernel"].shape
     return {"state": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32),
-            "conv": jnp.zeros((batch, width - 1, 3 * channels), self.dtype)}
+            "conv": jnp.zeros((batch, width - 1, 3, channels), self.dtype)}

@@ -120,9 +120,9 @@ def test_decode_loop_concatenates_no_weights(tiny):
   weights = {tuple(w.shape) for w in kda_layer.decode_weights()}
 
   def walk(jx, in_loop):
-    """(shape, inside the while body) of every concatenation."""
+    """(shape, inside the while body) of every concatenation or stack."""
     for e in jx.eqns:
-      if e.primitive.name == "concatenate":
+      if e.primitive.name in ("concatenate", "stack"):
         yield tuple(e.outvars[0].aval.shape), in_loop
       for value in e.params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):

@@ -241,9 +241,9 @@ def test_prefill_then_decode_equals_full_forward(block):
   # Cached calls run the layers unrolled: one cache per layer, scanned or not.
   assert len(cache["layers"]) == len(model.layers)
   assert [c["latent"].shape for c in cache["layers"] if "latent" in c] == [(2, 24, 16 + 8)] * 3
-  # KDA: the state and one buffer of the q, k and v conv tails side by side [B, W-1, 3 H K].
+  # KDA: the state and one buffer of the q, k and v conv tails [B, W-1, 3, H K].
   kda_caches = [c for c in cache["layers"] if "state" in c]
-  assert kda_caches and all(sorted(c) == ["conv", "state"] and c["conv"].shape == (2, 3, 96)
+  assert kda_caches and all(sorted(c) == ["conv", "state"] and c["conv"].shape == (2, 3, 3, 32)
                             for c in kda_caches)
 
 

@@ -82,7 +82,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   kn.attention_impl = ""  # MLA training attention (pallas_kernels.attention): "" best available
   # Absorbed-MLA decoding over the filled latent cache (pallas_kernels.decode_attention)
   kn.decode_attention_impl = ""  # "": the platform default
-  # A KDA layer's decode step (pallas_kernels.kda_decode): "" the platform default
+  # A KDA layer's decode step (pallas_kernels.kda_decode): "" the platform default, "xla",
+  # "triton" (GPU), "mosaic_tpu" (TPU, by name only)
   kn.kda_decode_impl = ""
   # Routed experts of prefill / decode calls with tokens x top-k <= experts: "sorted" (as in
   # training) or "gathered" (each copy's expert weights gathered; no sort, no grouped kernel)

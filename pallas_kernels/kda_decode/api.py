@@ -12,15 +12,18 @@ Shapes (H heads of dim K, conv width W, gate rank R):
   proj [B, 4HK + R + H]: one token's projections side by side, [q | k | v | z | f_a | beta
     logits] (q, k, v before the conv; z the output gate's logits; f_a the gate's low-rank
     input), so that one GEMM writes them all and the kernel reads them in place;
-  conv_tail [B, W-1, 3HK]: the last W-1 inputs of the q, k, v convs; conv_weight [W, 3HK];
+  conv_tail [B, W-1, 3, HK]: the last W-1 inputs of the q, k, v convs; conv_weight [W, 3, HK]
+    (the q, k, v kernels stacked; [.., 3, HK] is also the TPU's tiling, where a [.., 3HK] view
+    would be a relayout copy);
   f_b [R, H, K]; a_log [H]; dt_bias [HK]; o_norm [K]; state [B, H, K, K] (fp32);
   lengths [B] or None: row b is padding (no state change, tail kept) where lengths[b] == 0.
 Returns (o [B, HK] in proj's dtype, the new conv_tail, the new state fp32).
 
-Tiers ("impl"): "xla" (the reference, `xla.py`, fp32) and "triton" (one program per row and
-head, `triton.py`; it writes the tail and the state over their inputs' buffers). impl=None runs
-triton on a GPU (while TRITON_IS_DEFAULT), else xla; a named tier that declines falls through to
-xla. `plan(...)` returns the tier and every reason a tier declined.
+Tiers ("impl"): "xla" (the reference, `xla.py`, fp32), "triton" (one program per row and
+head, `triton.py`) and "mosaic_tpu" (one program per head, `mosaic_tpu.py`; by name only: not
+yet run on a TPU); the kernels write the tail and the state over their inputs' buffers.
+impl=None runs triton on a GPU (while TRITON_IS_DEFAULT), else xla; a named tier that declines
+falls through to xla. `plan(...)` returns the tier and every reason a tier declined.
 """
 import types
 
@@ -28,11 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tiers
+from pallas_kernels.kda_decode import mosaic_tpu
 from pallas_kernels.kda_decode import triton
 from pallas_kernels.kda_decode import xla
 
-IMPLS = ("xla", "triton")
-TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton}
+IMPLS = ("xla", "triton", "mosaic_tpu")
+TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton, "mosaic_tpu": mosaic_tpu}
 GATES = ("lower_bound", "softplus")
 # On since its tests passed compiled on an H100 (2026-12-07).
 TRITON_IS_DEFAULT = True
@@ -53,8 +57,8 @@ def _check(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, len
     raise ValueError(f"f_b must be [R, H, K], got shape {tuple(f_b.shape)}")
   r, h, k = f_b.shape
   b = proj.shape[0] if proj.ndim == 2 else None
-  want = dict(proj=(b, proj_width(h, k, r)), conv_weight=(conv_weight.shape[0], 3 * h * k),
-              conv_tail=(b, conv_weight.shape[0] - 1, 3 * h * k), a_log=(h,), dt_bias=(h * k,),
+  want = dict(proj=(b, proj_width(h, k, r)), conv_weight=(conv_weight.shape[0], 3, h * k),
+              conv_tail=(b, conv_weight.shape[0] - 1, 3, h * k), a_log=(h,), dt_bias=(h * k,),
               o_norm=(k,), state=(b, h, k, k))
   if lengths is not None:
     want["lengths"] = (b,)
@@ -102,6 +106,6 @@ def kda_decode_step(proj: jax.Array, conv_tail: jax.Array, conv_weight: jax.Arra
   p = plan(proj, conv_tail, f_b, impl=impl, interpret=interpret)
   kw = dict(gate=gate, lower_bound=float(lower_bound), scale=scale, norm_eps=float(norm_eps))
   args = (proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, lengths)
-  if p.impl == "triton":
-    return triton.kda_decode_step(*args, interpret=p.interpret, **kw)
+  if p.impl in ("triton", "mosaic_tpu"):
+    return TIERS[p.impl].kda_decode_step(*args, interpret=p.interpret, **kw)
   return xla.kda_decode_step(*args, **kw)

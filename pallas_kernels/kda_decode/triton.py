@@ -110,9 +110,12 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
   b = proj.shape[0]
   if lengths is None:
     lengths = jnp.ones((b,), jnp.int32)
+  shape = conv_tail.shape                 # [B, W-1, 3, HK], read as [B, W-1, 3HK] (a bitcast)
+  conv_tail = conv_tail.reshape(b, shape[1], 3 * h * k)
+  conv_weight = conv_weight.reshape(shape[1] + 1, 3 * h * k)
   kernel = functools.partial(_kernel, heads=h, k=k, r=r, width=conv_weight.shape[0], gate=gate,
                              lower_bound=lower_bound, scale=scale, eps=norm_eps)
-  return pl.pallas_call(
+  o, tail, state = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((b, h * k), proj.dtype),
                  jax.ShapeDtypeStruct(conv_tail.shape, conv_tail.dtype),
@@ -124,3 +127,4 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
       name="kda_decode_step",
   )(proj, conv_tail, conv_weight, f_b, a_log.astype(_F32), dt_bias, o_norm,
     state.astype(_F32), lengths.astype(jnp.int32))
+  return o, tail.reshape(shape), state

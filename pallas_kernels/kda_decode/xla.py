@@ -30,9 +30,9 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
   b, hk = proj.shape[0], h * k
   x = proj.astype(_F32)
   tail = conv_tail.astype(_F32)
-  xp = jnp.concatenate([tail, x[:, None, :3 * hk]], axis=1)                # [B, W, 3HK]
-  y = jax.nn.silu(jnp.sum(xp * conv_weight.astype(_F32)[None], axis=1))   # [B, 3HK]
-  q, kk, v = (a.reshape(b, h, k) for a in jnp.split(y, 3, axis=-1))
+  xp = jnp.concatenate([tail, x[:, None, :3 * hk].reshape(b, 1, 3, hk)], axis=1)  # [B, W, 3, HK]
+  y = jax.nn.silu(jnp.sum(xp * conv_weight.astype(_F32)[None], axis=1))   # [B, 3, HK]
+  q, kk, v = (y[:, i].reshape(b, h, k) for i in range(3))
   q = reference.l2_normalize(q) * scale
   kk = reference.l2_normalize(kk)
   z = x[:, 3 * hk:4 * hk].reshape(b, h, k)
@@ -49,5 +49,5 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
   o = jnp.einsum("bhkv,bhk->bhv", s, q, precision=jax.lax.Precision.HIGHEST)
   o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + norm_eps)
   o = o * o_norm.astype(_F32) * jax.nn.sigmoid(z)
-  new_tail = jnp.where(valid[:, None, None], xp[:, 1:], tail).astype(conv_tail.dtype)
+  new_tail = jnp.where(valid[:, None, None, None], xp[:, 1:], tail).astype(conv_tail.dtype)
   return o.reshape(b, hk).astype(proj.dtype), new_tail, s

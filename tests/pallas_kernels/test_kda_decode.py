@@ -20,7 +20,7 @@ L2_EPS, LB = 1e-6, -5.0
 def inputs(seed, b, h, k, r, w=4, dtype=jnp.float32, lengths=None):
   rng = np.random.default_rng(seed)
   a = lambda *s, sd=1.0: jnp.asarray(sd * rng.standard_normal(s), jnp.float32)
-  args = (a(b, kda_decode.proj_width(h, k, r)), a(b, w - 1, 3 * h * k), a(w, 3 * h * k, sd=0.5),
+  args = (a(b, kda_decode.proj_width(h, k, r)), a(b, w - 1, 3, h * k), a(w, 3, h * k, sd=0.5),
           a(r, h, k, sd=r ** -0.5), a(h, sd=0.5), a(h * k), 1 + a(k, sd=0.1),
           a(b, h, k, k, sd=0.1))
   args = tuple(x.astype(dtype) if i in (0, 1, 2, 3) else x for i, x in enumerate(args))
@@ -33,6 +33,8 @@ def oracle(proj, tail, cw, fb, a_log, dt_bias, o_norm, state, lengths, gate, eps
       np.asarray(x, np.float64) for x in (proj, tail, cw, fb, a_log, dt_bias, o_norm, state))
   r, h, k = fb.shape
   b, hk = proj.shape[0], h * k
+  shape = tail.shape                                   # [B, W-1, 3, HK]: q, k, v side by side
+  tail, cw = tail.reshape(b, shape[1], 3 * hk), cw.reshape(shape[1] + 1, 3 * hk)
   o, new_tail, new_state = np.zeros((b, hk)), tail.copy(), state.copy()
   sig = lambda x: 1 / (1 + np.exp(-x))
   for i in range(b):
@@ -58,7 +60,7 @@ def oracle(proj, tail, cw, fb, a_log, dt_bias, o_norm, state, lengths, gate, eps
       out = s.T @ q
       out = out / np.sqrt((out * out).mean() + eps) * o_norm * sig(proj[i, 3 * hk:][sl])
       o[i, sl], new_state[i, j] = out, s
-  return o, new_tail, new_state
+  return o, new_tail.reshape(shape), new_state
 
 
 def check(got, want, atol):
@@ -80,6 +82,20 @@ def test_tiers_match_fp64_oracle(gate, impl, b, h, k, r, w, lengths):
     pad = np.asarray(lengths) == 0
     np.testing.assert_array_equal(np.asarray(got[2])[pad], np.asarray(args[7])[pad])
     np.testing.assert_array_equal(np.asarray(got[1])[pad], np.asarray(args[1])[pad])
+
+
+@pytest.mark.parametrize("gate,dtype", [("lower_bound", jnp.float32), ("softplus", jnp.bfloat16)])
+def test_mosaic_tpu_tier_in_the_interpreter(gate, dtype):
+  """The TPU kernel (K and R multiples of 128) in Pallas's interpreter against the oracle."""
+  args = inputs(11, 3, 2, 128, 128, dtype=dtype, lengths=[1, 0, 5])
+  p = kda_decode.plan(args[0], args[1], args[3], impl="mosaic_tpu", interpret=True)
+  assert p.impl == "mosaic_tpu"
+  got = kda_decode.kda_decode_step(*args, gate=gate, impl="mosaic_tpu", interpret=True)
+  check(got, oracle(*args, gate), atol=2e-5 if dtype == jnp.float32 else 3e-2)
+  np.testing.assert_array_equal(np.asarray(got[2])[1], np.asarray(args[7])[1])
+  odd = inputs(0, 1, 1, 64, 128)
+  p = kda_decode.plan(odd[0], odd[1], odd[3], impl="mosaic_tpu", interpret=True)
+  assert p.impl == "xla" and "multiples of 128" in p.declined[0][1]
 
 
 def test_bf16_projections():
@@ -111,7 +127,7 @@ def test_default_and_declines(monkeypatch):
 
 
 @pytest.mark.parametrize("index,shape,match", [
-    (0, (2, 10), "proj must have shape"), (1, (2, 2, 96), "conv_tail must have shape"),
+    (0, (2, 10), "proj must have shape"), (1, (2, 3, 96), "conv_tail must have shape"),
     (5, (3,), "dt_bias must have shape"), (7, (2, 2, 16, 8), "state must have shape"),
     (8, (3,), "lengths must have shape")])
 def test_bad_shapes_name_the_argument(index, shape, match):
@@ -176,7 +192,7 @@ def test_decode_loop_updates_state_and_tail_in_place():
     return jax.lax.fori_loop(0, 4, body, (tail, state))
 
   hlo = jax.jit(loop, donate_argnums=(0, 1)).lower(args[1], args[7]).compile().as_text()
-  shapes = ("f32[16,8,128,128]", "bf16[16,3,3072]")
+  shapes = ("f32[16,8,128,128]", "bf16[16,3,3,1024]", "bf16[16,3,3072]")
   copies = [line for line in hlo.splitlines()
             if " copy(" in line and any(s in line for s in shapes)]
   assert not copies, copies[:3]
