@@ -2,9 +2,9 @@
 
 Grid (H,) ("parallel": the megacore splits the heads). A program's blocks hold every row of its
 head: the q, k, v, z columns and the f_a and beta logits of proj (viewed [B, 1, N], so that a
-row is a whole (1, K) slab), the conv tail rows of its q, k, v channels ([B, W-1, 3, HK]:
-one (3, K) tile a row and tap, the cache's own layout), the conv kernel, f_b's [R, K] columns, dt_bias, the state
-[B, K, V] of the head, and the lengths (scalar-prefetched into SMEM) and A_log (SMEM). A loop
+row is a whole (1, K) slab), the conv tail rows of its q, k, v channels ([B, W-1, 3, HK], the
+cache's own layout: one (3, K) tile a row and tap), the conv kernel, f_b's [R, K] columns,
+dt_bias, the state [B, K, V] of the head, the lengths (scalar-prefetched) and A_log (SMEM). A loop
 over the rows computes in fp32, in row vectors (1, K): the conv and SiLU, the L2 norms, the
 gate (f_a f_b on the MXU), beta; the state's row decay and the delta rule's outer product need
 the decay and beta k as columns (K, 1), which an NT product with the identity gives (the MXU
