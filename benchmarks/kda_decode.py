@@ -54,7 +54,7 @@ def run_ours(x, impl):
   fn = jax.jit(lambda tail, state: kda_decode.kda_decode_step(
       fixed[0], tail, fixed[1], fixed[2], *fixed[3:], state, gate="lower_bound",
       lower_bound=LB, norm_eps=EPS, impl=impl))
-  sets = [(bf("tail") + 0, jnp.asarray(x["state"]) + i) for i in range(COPIES)]
+  sets = [(bf("tail"), jnp.asarray(x["state"]) + i) for i in range(COPIES)]
   o = np.asarray(fn(bf("tail"), jnp.asarray(x["state"]))[0].astype(jnp.float32))
   return common.device_ms_cycling(fn, sets) * 1e3, o
 

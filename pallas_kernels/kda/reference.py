@@ -34,10 +34,15 @@ def forget_gate(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, kind: str,
   softplus (Kimi Linear): g = -e^A * softplus(f + dt_bias), unbounded below.
   """
   z = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-  a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+  return gate(z, jnp.exp(a_log.astype(jnp.float32))[:, None], kind, lower_bound)
+
+
+def gate(z: jax.Array, a: jax.Array, kind: str, lower_bound: float) -> jax.Array:
+  """The gate of `forget_gate` from z = f + dt_bias and a = e^A (broadcastable), in fp32 ops
+  that the Triton and Mosaic TPU kernels also lower (softplus as max(z, 0) + log1p(e^-|z|))."""
   if kind == "lower_bound":
     return lower_bound * jax.nn.sigmoid(a * z)
-  return -a * jax.nn.softplus(z)
+  return -a * (jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z))))
 
 
 def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:

@@ -99,10 +99,7 @@ def _kernel(lengths_ref, alog_ref, q_ref, k_ref, v_ref, z_ref, fa_ref, beta_ref,
     kk = kk * norm(kk)
     f = jnp.dot(f32(fa_ref[b]), fb, precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=_F32) + dtb                    # (1, K)
-    if gate == "lower_bound":
-      g = lower_bound * jax.nn.sigmoid(a * f)
-    else:
-      g = -a * (jnp.maximum(f, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(f))))
+    g = reference.gate(f, a, gate, lower_bound)
     beta = jax.nn.sigmoid(jnp.sum(jnp.where(lane == h % LANES, f32(beta_ref[b]), 0.0), axis=1,
                                   keepdims=True))                      # (1, 1)
     g = jnp.where(valid, g, 0.0)

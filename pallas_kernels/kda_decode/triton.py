@@ -77,11 +77,7 @@ def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, st
   fa = load(proj_ref.at[b, pl.ds(4 * hk, r)])
   f = jnp.sum(fa[:, None] * w_fb, axis=0)                                     # [K]
   f = f + load(dtb_ref.at[pl.ds(h * k, k)])
-  a = jnp.exp(load(alog_ref.at[pl.ds(h, 1)]))
-  if gate == "lower_bound":
-    g = lower_bound * jax.nn.sigmoid(a * f)
-  else:
-    g = -a * (jnp.maximum(f, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(f))))
+  g = reference.gate(f, jnp.exp(load(alog_ref.at[pl.ds(h, 1)])), gate, lower_bound)
   beta = jax.nn.sigmoid(load(proj_ref.at[b, pl.ds(4 * hk + r + h, 1)]))
   g = jnp.where(valid, g, 0.0)
   beta = jnp.where(valid, beta, 0.0)

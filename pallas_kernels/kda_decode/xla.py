@@ -13,6 +13,7 @@ conv tail stays.
 import jax
 import jax.numpy as jnp
 
+from k3jax.norms import rms_norm
 from pallas_kernels.kda import reference
 
 _F32 = jnp.float32
@@ -47,7 +48,6 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
   u = v - jnp.einsum("bhkv,bhk->bhv", s, kk, precision=jax.lax.Precision.HIGHEST)
   s = s + (beta[..., None] * kk)[..., None] * u[..., None, :]
   o = jnp.einsum("bhkv,bhk->bhv", s, q, precision=jax.lax.Precision.HIGHEST)
-  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + norm_eps)
-  o = o * o_norm.astype(_F32) * jax.nn.sigmoid(z)
+  o = rms_norm(o, o_norm, norm_eps) * jax.nn.sigmoid(z)
   new_tail = jnp.where(valid[:, None, None, None], xp[:, 1:], tail).astype(conv_tail.dtype)
   return o.reshape(b, hk).astype(proj.dtype), new_tail, s
