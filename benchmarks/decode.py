@@ -71,6 +71,7 @@ from pallas_kernels import decode_attention
 from pallas_kernels.expert_sort import api as expert_sort_api
 from pallas_kernels import kda_decode
 from pallas_kernels.kda_decode import api as kda_decode_api
+from pallas_kernels.kda_decode import triton as kda_decode_triton
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_h200.json", "Records (JSON list).")
@@ -106,6 +107,10 @@ _KDA_DECODE = flags.DEFINE_enum(
     "kda_decode", "", ("", "xla", "triton"),
     "The KDA layers' decode step (\"\": the default; sets pallas_kernels.kda_decode.api."
     "TRITON_IS_DEFAULT; the tier that ran is recorded as kda_decode_tier).")
+_KDA_DECODE_CONFIG = flags.DEFINE_enum(
+    "kda_decode_config", "", ("", *kda_decode_triton.CONFIGS),
+    "The triton tier's tile and warps (\"\": its DEFAULT; else sets pallas_kernels.kda_decode."
+    "triton.DEFAULT to that entry of CONFIGS, recorded as kda_decode_tier \"triton:<name>\").")
 _EXPERT_FORMAT = flags.DEFINE_enum(
     "expert_format", "float", latent_moe.EXPERT_FORMATS,
     "model.moe.expert_format: \"mxfp4\" holds the routed experts packed (random E2M1 codes, "
@@ -221,9 +226,12 @@ def kda_decode_tier(model: K3ForCausalLM, batch: int) -> str:
   h, k = a.num_heads, a.head_dim
   r, width = a.f_b_proj["kernel"].shape[0], a.q_conv1d["kernel"].shape[0]
   sds = jax.ShapeDtypeStruct
-  return kda_decode.plan(sds((batch, kda_decode.proj_width(h, k, r)), a.dtype),
-                         sds((batch, width - 1, 3 * h * k), a.dtype),
+  tier = kda_decode.plan(sds((batch, kda_decode.proj_width(h, k, r)), a.dtype),
+                         sds((batch, width - 1, 3, h * k), a.dtype),
                          sds((r, h, k), a.dtype), impl=a.decode_impl or None).impl
+  if tier == "triton" and _KDA_DECODE_CONFIG.value:
+    tier += ":" + _KDA_DECODE_CONFIG.value
+  return tier
 
 
 @functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("cache",))
@@ -409,6 +417,8 @@ def main(argv):
     expert_sort_api.TRITON_IS_DEFAULT = _EXPERT_SORT.value == "triton"
   if _KDA_DECODE.value:
     kda_decode_api.TRITON_IS_DEFAULT = _KDA_DECODE.value == "triton"
+  if _KDA_DECODE_CONFIG.value:
+    kda_decode_triton.DEFAULT = kda_decode_triton.CONFIGS[_KDA_DECODE_CONFIG.value]
   toy = _TOY.value
   ints = lambda values: tuple(int(v) for v in values)
   batches = TOY["batches"] if toy else ints(_BATCHES.value)

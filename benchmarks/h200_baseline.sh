@@ -79,11 +79,11 @@
 #                                                          # tests, then k3_small's decode (B 16,
 #                                                          # 128k, packed experts) with it, without,
 #                                                          # with
-#   bash benchmarks/h200_baseline.sh kda_decode           # ~4 min: the fused KDA decode step's GPU
-#                                                          # tests, the op against fla's chain,
-#                                                          # then k3_small's decode (B 16,
-#                                                          # 128k, packed experts) with it, without,
-#                                                          # with
+#   bash benchmarks/h200_baseline.sh kda_decode           # ~8 min: the fused KDA decode step's GPU
+#                                                          # tests, the op and its tile configs
+#                                                          # against fla's chain, then k3_small's
+#                                                          # decode (B 16, 128k, packed experts)
+#                                                          # per KDA_DECODE_RUNS
 #   BASE_COMMIT=b4f4a80 bash benchmarks/h200_baseline.sh decode_ab
 #                                                          # ~3 min: k3_small's decode (B 16, 128k,
 #                                                          # packed experts) of this tree and of
@@ -480,16 +480,18 @@ PY
       done
       ;;
     kda_decode)
-      # The fused KDA decode step (pallas_kernels/kda_decode/triton.py): its GPU tests, the op
-      # against fla's chain (benchmarks/kda_decode.py), then k3_small's decode loop with it,
-      # without (the XLA tier), with.
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KDA_DECODE_TEST_S:-120} python3 -m pytest \
+      # The fused KDA decode step (pallas_kernels/kda_decode/triton.py): its GPU tests (every
+      # entry of triton.CONFIGS), the op against fla's chain with the CONFIGS beside the
+      # default (benchmarks/kda_decode.py), then k3_small's decode loop per KDA_DECODE_RUNS
+      # (benchmarks.decode flags, one process each; "|" for none).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${KDA_DECODE_TEST_S:-150} python3 -m pytest \
         -q -p no:cacheprovider tests/pallas_kernels/test_kda_decode.py 2>&1 \
         | tee $OUT/kda_decode_tests.log | tail -3
       timeout ${KDA_DECODE_BENCH_S:-150} python3 -m benchmarks.kda_decode \
+        --triton_configs=${KDA_DECODE_CONFIGS:-c64_w4,c32_w4,c32_w2} \
         --out=$OUT/kda_decode_h200.json 2>&1 | tee $OUT/kda_decode_bench.log | grep -E "us |Error"
-      for flag in --kda_decode=triton --kda_decode=xla --kda_decode=triton; do
-        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K $flag \
+      for flag in ${KDA_DECODE_RUNS:---kda_decode=triton --kda_decode_config=c32_w4 --kda_decode=xla}; do
+        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K ${flag//|/} \
           --out=$OUT/decode_kda_decode.json 2>&1 | tee -a $OUT/decode_kda_decode.log \
           | grep -E "tpot|Error"
       done

@@ -23,11 +23,15 @@ from absl import app, flags
 
 from benchmarks import common
 from pallas_kernels import kda_decode
+from pallas_kernels.kda_decode import triton as kda_decode_triton
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/kda_decode_h200.json",
                            "Records (JSON list).")
 _SHAPES = flags.DEFINE_list("shapes", ["16x8", "1x8", "16x96", "1x96"],
                             "BxH (K = R = 128, conv width 4): k3_small's 8 heads, K3's 96.")
+_TRITON_CONFIGS = flags.DEFINE_list(
+    "triton_configs", [], "Entries of pallas_kernels.kda_decode.triton.CONFIGS to time beside "
+    "the tiers' defaults (rows \"triton:<name>\"), e.g. c32_w4,c64_w4.")
 KEY_FIELDS = ("op", "impl", "shape", "device")
 K, R, W, LB, EPS = 128, 128, 4, -5.0, 1e-5
 COPIES = 3
@@ -48,12 +52,18 @@ def floor_bytes(b: int, h: int) -> int:
 
 
 def run_ours(x, impl):
+  """impl: a tier of the op, or "triton:<name>" for an entry of the triton tier's CONFIGS."""
   bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
   fixed = (bf("proj"), bf("conv"), bf("f_b"), jnp.asarray(x["a_log"]),
            jnp.asarray(x["dt_bias"]), jnp.asarray(x["o_norm"]))
-  fn = jax.jit(lambda tail, state: kda_decode.kda_decode_step(
-      fixed[0], tail, fixed[1], fixed[2], *fixed[3:], state, gate="lower_bound",
-      lower_bound=LB, norm_eps=EPS, impl=impl))
+  kw = dict(gate="lower_bound", lower_bound=LB, norm_eps=EPS)
+  if impl.startswith("triton:"):
+    config = kda_decode_triton.CONFIGS[impl.split(":")[1]]
+    step = lambda *a: kda_decode_triton.kda_decode_step(
+        *a, None, scale=K ** -0.5, config=config, **kw)
+  else:
+    step = lambda *a: kda_decode.kda_decode_step(*a, impl=impl, **kw)
+  fn = jax.jit(lambda tail, state: step(fixed[0], tail, fixed[1], fixed[2], *fixed[3:], state))
   sets = [(bf("tail"), jnp.asarray(x["state"]) + i) for i in range(COPIES)]
   o = np.asarray(fn(bf("tail"), jnp.asarray(x["state"]))[0].astype(jnp.float32))
   return common.device_ms_cycling(fn, sets) * 1e3, o
@@ -103,6 +113,9 @@ def run_fla(x, b, h):
 
 def main(argv):
   del argv
+  if unknown := set(_TRITON_CONFIGS.value) - set(kda_decode_triton.CONFIGS):
+    raise app.UsageError(f"--triton_configs: unknown {sorted(unknown)}, choose from "
+                         f"{sorted(kda_decode_triton.CONFIGS)}")
   copy = common.copy_tbps()
   print(f"device {common.device_name()}: copy {copy:.2f} TB/s")
   records = []
@@ -111,12 +124,12 @@ def main(argv):
     x = make_inputs(b, h, seed=b * 1000 + h)
     floor_us = floor_bytes(b, h) / copy / 1e6
     results = {"fla": run_fla(x, b, h)}
-    for impl in ("triton", "xla"):
+    for impl in ("triton", "xla", *(f"triton:{c}" for c in _TRITON_CONFIGS.value)):
       results[impl] = run_ours(x, impl)
     ref = results["fla"][1]
     for impl, (us, o) in results.items():
       err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
-      print(f"B={b:<3d} H={h:<3d} {impl:>7s} {us:8.1f} us  floor {floor_us:6.1f} us "
+      print(f"B={b:<3d} H={h:<3d} {impl:>14s} {us:8.1f} us  floor {floor_us:6.1f} us "
             f"({floor_us / us:5.1%})  rel L2 vs fla {err:.1e}")
       records.append(dict(op="kda_decode_step", impl=impl, shape=dict(B=b, H=h, K=K, R=R, W=W),
                           device_us=round(us, 2), floor_us=round(floor_us, 2),

@@ -3,15 +3,21 @@
 Each program reads its head's K columns of q, k, v, z and the row's f_a and beta logit from
 proj, the W-1 tail rows of its q, k, v channels, its [R, K] slice of f_b and its state
 S [K, K] (fp32), and computes in fp32 registers (xla.py states the math): the conv and SiLU,
-the L2 norms, the gate (f_a f_b in the program: a [R, K] multiply and column sum), beta, the
-decay, delta rule and readout, and the gated RMSNorm of the output. It writes o and the new
-state and conv tail over the old ones' buffers (`input_output_aliases`), so a decode loop
-carrying them updates them in place. The state is written after the readout's reductions and
-the tail rows last, so every thread has read the old values before any is overwritten.
-At k3_small's decode (B 16, H 8, K 128) that is 128 programs of 8 warps, one kernel where the
-XLA form of the same step takes six (gate product, gate and operand fusion, conv tail update
-and its copy, recurrence, output norm and gate).
+the L2 norms, the gate (f_a f_b in [block, K] slices of f_b), beta; then, for each block of
+`Config.block` state columns, the decay, delta rule and readout; then the gated RMSNorm of the
+output. It writes o and the new state and conv tail over the old ones' buffers
+(`input_output_aliases`), so a decode loop carrying them updates them in place. Only the
+program of a (row, head) touches that head's state and tail channels; its tail rows are written
+last, after the readout's reductions, so every thread has read the old rows before any is
+overwritten. Splitting a head's columns over programs (as fla's fused_recurrent_kda does) would
+race there: every program reads all of the head's q and k tail channels.
+`Config`: block = K holds the whole [K, K] state at once (8 warps, 222 registers a thread at
+K 128 on sm_90a: one program an SM); block 32 walks it in [K, 32] tiles at 4 warps (167
+registers: three programs an SM, for K3's B 16 x 96 heads = 1536 programs). At k3_small's
+decode (B 16, H 8, K 128) it is one kernel where the XLA form of the same step takes six (gate
+product, gate and operand fusion, conv tail update and its copy, recurrence, output norm).
 """
+import dataclasses
 import functools
 
 import jax
@@ -22,17 +28,31 @@ from jax.experimental.pallas import triton as plgpu_triton
 from pallas_kernels import tiers
 from pallas_kernels.kda import reference
 
-NUM_WARPS = 8
-MAX_DIM = 128       # K and R: the [K, K] state and [R, K] gate tiles live in registers
+MAX_DIM = 128       # K and R
 _F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """block: state columns (and f_b rows) a step, None (or more than K) for all K; num_warps
+  per program."""
+  block: int | None = None
+  num_warps: int = 8
+
+
+# Candidates for the benchmark sweep (`benchmarks/kda_decode.py --triton_configs`).
+CONFIGS = {"tile_w8": Config(), "c64_w4": Config(block=64, num_warps=4),
+           "c32_w4": Config(block=32, num_warps=4), "c32_w2": Config(block=32, num_warps=2)}
+DEFAULT = CONFIGS["tile_w8"]
 
 
 def is_gpu() -> bool:
   return plgpu_triton.is_gpu_device()
 
 
-def supports(proj, conv_tail, *, f_b, interpret: bool = False) -> str | None:
+def supports(proj, conv_tail, *, f_b, interpret: bool = False,
+             config: Config | None = None) -> str | None:
   """None if the kernel takes the call (arrays or ShapeDtypeStructs), else why not."""
   if not interpret and not is_gpu():
     return f"needs a GPU or interpret=True, the default device is {jax.devices()[0].device_kind}"
@@ -40,6 +60,9 @@ def supports(proj, conv_tail, *, f_b, interpret: bool = False) -> str | None:
   for name, n in (("K", k), ("R", r)):
     if n > MAX_DIM or n & (n - 1) or n < 16:
       return f"needs {name} a power of two in [16, {MAX_DIM}], got {name}={n}"
+  block = (config or DEFAULT).block
+  if block is not None and (block & (block - 1) or block < 16):
+    return f"needs config.block a power of two >= 16, got {block}"
   for name, a in (("proj", proj), ("conv_tail", conv_tail), ("f_b", f_b)):
     if jnp.dtype(a.dtype) not in _DTYPES:
       return f"needs bfloat16 or float32 {name}, got {a.dtype}"
@@ -53,55 +76,74 @@ def _i32(i: int) -> jax.Array:
 
 def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, state_ref,
             len_ref, o_ref, tail_out, state_out, *, heads: int, k: int, r: int, width: int,
-            gate: str, lower_bound: float, scale: float, eps: float):
+            block: int, gate: str, lower_bound: float, scale: float, eps: float):
   b, h = pl.program_id(0), pl.program_id(1)
   hk = heads * k
   load = lambda ref: plgpu_triton.load(ref).astype(_F32)
-  s = plgpu_triton.load(state_ref.at[b, h])          # [K, V], issued first: the largest read
-  w_fb = load(fb_ref.at[pl.ds(0, r), h, pl.ds(0, k)])                        # [R, K]
   valid = plgpu_triton.load(len_ref.at[pl.ds(b, 1)]) > 0                     # [1]
-  ys, tails = [], []
-  for sec in range(3):                                                        # q, k, v
-    cols = pl.ds(sec * hk + h * k, k)
+  tails = []
+
+  def conv(first, n):
+    """SiLU(conv) of channels [first, first + n) and their new tail rows."""
+    cols = pl.ds(first, n)
     x = load(proj_ref.at[b, cols])
     taps = [load(tail_ref.at[b, _i32(j), cols]) for j in range(width - 1)]
     acc = x * load(cw_ref.at[_i32(width - 1), cols])
     for j in range(width - 1):
       acc = acc + taps[j] * load(cw_ref.at[_i32(j), cols])
-    ys.append(acc * jax.nn.sigmoid(acc))
     tails.append((cols, [jnp.where(valid, new, old) for new, old in zip(taps[1:] + [x], taps)]))
-  q, kk, v = ys
+    return acc * jax.nn.sigmoid(acc)
+
+  q, kk = conv(h * k, k), conv(hk + h * k, k)
   q = q * jax.lax.rsqrt(jnp.sum(q * q) + reference.L2_EPS) * scale
   kk = kk * jax.lax.rsqrt(jnp.sum(kk * kk) + reference.L2_EPS)
-  z = load(proj_ref.at[b, pl.ds(3 * hk + h * k, k)])
-  fa = load(proj_ref.at[b, pl.ds(4 * hk, r)])
-  f = jnp.sum(fa[:, None] * w_fb, axis=0)                                     # [K]
-  f = f + load(dtb_ref.at[pl.ds(h * k, k)])
+  f = load(dtb_ref.at[pl.ds(h * k, k)])
+  n = min(block, r)
+  for c in range(0, r, n):                       # f_a f_b in [n, K] slices of f_b
+    fa = load(proj_ref.at[b, pl.ds(4 * hk + c, n)])
+    f = f + jnp.sum(fa[:, None] * load(fb_ref.at[pl.ds(c, n), h, pl.ds(0, k)]), axis=0)
   g = reference.gate(f, jnp.exp(load(alog_ref.at[pl.ds(h, 1)])), gate, lower_bound)
   beta = jax.nn.sigmoid(load(proj_ref.at[b, pl.ds(4 * hk + r + h, 1)]))
-  g = jnp.where(valid, g, 0.0)
-  beta = jnp.where(valid, beta, 0.0)
-  s = s * jnp.exp(g)[:, None]
-  u = v - jnp.sum(s * kk[:, None], axis=0)
-  s = s + (beta * kk)[:, None] * u[None, :]
-  o = jnp.sum(s * q[:, None], axis=0)
-  o = o * jax.lax.rsqrt(jnp.sum(o * o) / k + eps)
-  o = o * load(onorm_ref.at[pl.ds(0, k)]) * jax.nn.sigmoid(z)
-  plgpu_triton.store(o_ref.at[b, pl.ds(h * k, k)], o.astype(o_ref.dtype))
-  plgpu_triton.store(state_out.at[b, h], s)
+  decay = jnp.exp(jnp.where(valid, g, 0.0))
+  kb = jnp.where(valid, beta, 0.0) * kk
+  outs = []
+  for c in range(0, k, block):                   # the state in [K, block] column blocks
+    cols = pl.ds(c, block)
+    v = conv(2 * hk + h * k + c, block)
+    st = plgpu_triton.load(state_ref.at[b, h, pl.ds(0, k), cols]) * decay[:, None]
+    u = v - jnp.sum(st * kk[:, None], axis=0)
+    st = st + kb[:, None] * u[None, :]
+    outs.append(jnp.sum(st * q[:, None], axis=0))
+    plgpu_triton.store(state_out.at[b, h, pl.ds(0, k), cols], st)
+  rms = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / k + eps)
+  for i, o in enumerate(outs):
+    cols = pl.ds(i * block, block)
+    z = load(proj_ref.at[b, pl.ds(3 * hk + h * k + i * block, block)])
+    o = o * rms * load(onorm_ref.at[cols]) * jax.nn.sigmoid(z)
+    plgpu_triton.store(o_ref.at[b, pl.ds(h * k + i * block, block)], o.astype(o_ref.dtype))
   for cols, rows in tails:
     for j, row in enumerate(rows):
       plgpu_triton.store(tail_out.at[b, _i32(j), cols], row.astype(tail_out.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "scale", "norm_eps",
-                                             "interpret"))
 def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, lengths,
                     *, gate: str, lower_bound: float, scale: float, norm_eps: float,
-                    interpret: bool = False):
-  """See `api.kda_decode_step`; the tail and the state are written in place."""
-  if reason := supports(proj, conv_tail, f_b=f_b, interpret=interpret):
+                    interpret: bool = False, config: Config | None = None):
+  """See `api.kda_decode_step`; the tail and the state are written in place. config: the
+  tile and warps (`Config`), None for `DEFAULT` as it is at the call (a jitted caller traced
+  before `DEFAULT` changed keeps the old one)."""
+  cfg = config or DEFAULT
+  if reason := supports(proj, conv_tail, f_b=f_b, interpret=interpret, config=cfg):
     raise ValueError(f"the triton tier does not take this call: {reason}")
+  return _step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, lengths,
+               gate=gate, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
+               interpret=interpret, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("gate", "lower_bound", "scale", "norm_eps",
+                                             "interpret", "cfg"))
+def _step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, lengths, *,
+          gate, lower_bound, scale, norm_eps, interpret, cfg):
   r, h, k = f_b.shape
   b = proj.shape[0]
   if lengths is None:
@@ -109,8 +151,9 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
   shape = conv_tail.shape                 # [B, W-1, 3, HK], read as [B, W-1, 3HK] (a bitcast)
   conv_tail = conv_tail.reshape(b, shape[1], 3 * h * k)
   conv_weight = conv_weight.reshape(shape[1] + 1, 3 * h * k)
-  kernel = functools.partial(_kernel, heads=h, k=k, r=r, width=conv_weight.shape[0], gate=gate,
-                             lower_bound=lower_bound, scale=scale, eps=norm_eps)
+  kernel = functools.partial(_kernel, heads=h, k=k, r=r, width=conv_weight.shape[0],
+                             block=min(cfg.block or k, k), gate=gate, lower_bound=lower_bound,
+                             scale=scale, eps=norm_eps)
   o, tail, state = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((b, h * k), proj.dtype),
@@ -118,7 +161,7 @@ def kda_decode_step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, s
                  jax.ShapeDtypeStruct(state.shape, _F32)),
       grid=(b, h),
       input_output_aliases={1: 1, 7: 2},
-      compiler_params=plgpu_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=interpret,
       name="kda_decode_step",
   )(proj, conv_tail, conv_weight, f_b, a_log.astype(_F32), dt_bias, o_norm,

@@ -84,6 +84,22 @@ def test_tiers_match_fp64_oracle(gate, impl, b, h, k, r, w, lengths):
     np.testing.assert_array_equal(np.asarray(got[1])[pad], np.asarray(args[1])[pad])
 
 
+@pytest.mark.parametrize("config", [triton.Config(block=16, num_warps=4),
+                                    *triton.CONFIGS.values()])
+def test_triton_configs_match_fp64_oracle(config):
+  """Every tile and warp choice of the triton tier (block 16 at K 32: two column blocks and
+  two f_b slices) in the interpreter, padding rows included."""
+  args = inputs(5, 3, 2, 32, 32, lengths=[1, 0, 5])
+  assert triton.supports(args[0], args[1], f_b=args[3], interpret=True, config=config) is None
+  got = triton.kda_decode_step(*args, gate="softplus", lower_bound=LB, scale=32 ** -0.5,
+                               norm_eps=1e-5, interpret=True, config=config)
+  check(got, oracle(*args, "softplus"), atol=2e-5)
+  np.testing.assert_array_equal(np.asarray(got[2])[1], np.asarray(args[7])[1])
+  bad = triton.Config(block=24)
+  assert "config.block a power of two" in triton.supports(args[0], args[1], f_b=args[3],
+                                                          interpret=True, config=bad)
+
+
 @pytest.mark.parametrize("gate,dtype", [("lower_bound", jnp.float32), ("softplus", jnp.bfloat16)])
 def test_mosaic_tpu_tier_in_the_interpreter(gate, dtype):
   """The TPU kernel (K and R multiples of 128) in Pallas's interpreter against the oracle."""
@@ -170,19 +186,26 @@ def test_lowers_for_h200_with_aliases():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("config", list(triton.CONFIGS))
 @pytest.mark.parametrize("b,h,k,r,dtype", [(16, 8, 128, 128, jnp.bfloat16),
+                                           (4, 96, 128, 128, jnp.bfloat16),
                                            (5, 3, 64, 32, jnp.float32)])
-def test_compiled_on_gpu(b, h, k, r, dtype):
-  """The compiled kernel (interpret=False) against the fp64 oracle on the same GPU."""
+def test_compiled_on_gpu(config, b, h, k, r, dtype):
+  """The compiled kernel (interpret=False), each config, against the fp64 oracle."""
   args = inputs(b + k, b, h, k, r, dtype=dtype, lengths=[i % 3 for i in range(b)])
   assert kda_decode.plan(args[0], args[1], args[3], impl="triton").impl == "triton"
-  got = jax.jit(lambda *a: kda_decode.kda_decode_step(*a, impl="triton"))(*args)
+  got = jax.jit(lambda *a: triton.kda_decode_step(
+      *a, gate="lower_bound", lower_bound=LB, scale=k ** -0.5, norm_eps=1e-5,
+      config=triton.CONFIGS[config]))(*args)
   check(got, oracle(*args, "lower_bound"), atol=3e-2 if dtype == jnp.bfloat16 else 5e-5)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_decode_loop_updates_state_and_tail_in_place():
-  """A loop carrying the state and the tail through the kernel copies neither."""
+@pytest.mark.parametrize("config", list(triton.CONFIGS))
+def test_decode_loop_updates_state_and_tail_in_place(config, monkeypatch):
+  """A loop carrying the state and the tail through the kernel (each config as the tier's
+  default) copies neither."""
+  monkeypatch.setattr(triton, "DEFAULT", triton.CONFIGS[config])
   args = inputs(3, 16, 8, 128, 128, dtype=jnp.bfloat16, lengths=[1] * 16)
 
   def loop(tail, state):
