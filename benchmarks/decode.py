@@ -72,6 +72,7 @@ from pallas_kernels.expert_sort import api as expert_sort_api
 from pallas_kernels import kda_decode
 from pallas_kernels.kda_decode import api as kda_decode_api
 from pallas_kernels.kda_decode import triton as kda_decode_triton
+from pallas_kernels.mxfp4_matmul import api as mxfp4_api
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_h200.json", "Records (JSON list).")
@@ -103,6 +104,10 @@ _EXPERT_SORT = flags.DEFINE_enum(
     "expert_sort", "", ("", "xla", "triton"),
     "The MoE's sort of copies by expert (\"\": the default, the Triton counting sort on a GPU; "
     "sets pallas_kernels.expert_sort.api.TRITON_IS_DEFAULT; recorded as moe_kernels).")
+_EXPERT_FFN = flags.DEFINE_enum(
+    "expert_ffn", "", ("", "fused", "unfused"),
+    "Packed experts' FFN (\"\": the default; \"fused\" sets pallas_kernels.mxfp4_matmul.api."
+    "EXPERT_FFN_IS_DEFAULT: W1, W3, SiTU and W2 in one Triton launch; recorded as moe_kernels).")
 _KDA_DECODE = flags.DEFINE_enum(
     "kda_decode", "", ("", "xla", "triton"),
     "The KDA layers' decode step (\"\": the default; sets pallas_kernels.kda_decode.api."
@@ -405,7 +410,8 @@ def moe_kernels() -> str | None:
   """The MoE kernel choices of this run that differ from the defaults (None: the defaults)."""
   parts = ([f"gate_up_impl={_GATE_UP_IMPL.value}"] if _GATE_UP_IMPL.value else []) + (
       ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else []) + (
-      [f"expert_sort={_EXPERT_SORT.value}"] if _EXPERT_SORT.value else [])
+      [f"expert_sort={_EXPERT_SORT.value}"] if _EXPERT_SORT.value else []) + (
+      [f"expert_ffn={_EXPERT_FFN.value}"] if _EXPERT_FFN.value else [])
   return ", ".join(parts) or None
 
 
@@ -413,6 +419,8 @@ def main(argv):
   del argv
   if _SWAPPED_GMM.value:
     ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
+  if _EXPERT_FFN.value:
+    mxfp4_api.EXPERT_FFN_IS_DEFAULT = _EXPERT_FFN.value == "fused"
   if _EXPERT_SORT.value:
     expert_sort_api.TRITON_IS_DEFAULT = _EXPERT_SORT.value == "triton"
   if _KDA_DECODE.value:

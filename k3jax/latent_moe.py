@@ -252,13 +252,24 @@ def grouped_experts(z: jax.Array, weights: jax.Array, order: jax.Array, inverse:
   past sum(group_sizes) belong to no expert and give zero rows (the expert-parallel receive
   buffer's padding, `k3jax.expert_parallel`). qat: z and h quantized by `expert_input`; z per
   token row before the gather (the same as after it), so the fused kernel gathers quantized
-  rows. Packed weights take the fused MXFP4 kernel (`pallas_kernels.mxfp4_matmul.mxfp4_gate_up`:
+  rows. Packed weights without qat take `pallas_kernels.mxfp4_matmul.mxfp4_expert_ffn` (gather,
+  W1 / W3, SiTU, W2 in one launch, then the combine) where its platform default is the kernel
+  and gate_up_impl is None or "triton"; else the fused MXFP4 gate/up kernel (`mxfp4_gate_up`:
   gather, W1 / W3 and SiTU in one launch) with gate_up_impl "triton", or None where its
   platform default is that kernel (Hopper), else the unfused path.
   """
   top_k = weights.shape[1]
   z = expert_input(z, qat)
   packed = isinstance(w1, PackedWeight)
+  if packed and not qat and gate_up_impl in (None, "triton"):
+    ws = (w1.packed, w1.scale, w3.packed, w3.scale, w2.packed, w2.scale)
+    if mxfp4_matmul.plan_expert_ffn(z, weights, order, inverse, *ws, group_sizes,
+                                    interpret=interpret).impl == "triton":
+      with jax.named_scope("moe_experts"):
+        u = mxfp4_matmul.mxfp4_expert_ffn(z, weights, order, inverse, *ws, group_sizes,
+                                          beta1=beta1, beta2=beta2, impl="triton",
+                                          interpret=interpret)
+      return u.astype(z.dtype)
   if packed:
     fuse = gate_up_impl == "triton" or (gate_up_impl is None and mxfp4_matmul.plan_gate_up(
         z, order // top_k, w1.packed, w1.scale, w3.packed, w3.scale, group_sizes,

@@ -229,6 +229,39 @@ def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
     assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want)
 
 
+def test_packed_experts_whole_ffn_kernel_matches_loop_oracle(monkeypatch):
+  """Packed experts where `mxfp4_expert_ffn`'s default is the kernel (as on Hopper with
+  EXPERT_FFN_IS_DEFAULT; interpreted: gather, W1 / W3, SiTU and W2 in one call, then the
+  combine; it ran) equal the fp64 loop over experts to bf16 rounding; gate_up_impl="xla" and
+  qat keep the other paths."""
+  rng = np.random.default_rng(11)
+  n_tok, lat, mid, num_e = 12, 128, 64, 4
+  z = jnp.asarray(rng.normal(size=(n_tok, lat)), jnp.bfloat16)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n_tok, TOP_K)), jnp.float32)
+  experts = jnp.asarray(np.stack([rng.permutation(num_e)[:TOP_K] for _ in range(n_tok)]),
+                        jnp.int32)
+  shapes = {"w1": (num_e, lat, mid), "w3": (num_e, lat, mid), "w2": (num_e, mid, lat)}
+  packed = {n: lm.PackedWeight(*mx.pack_k3(jnp.swapaxes(jnp.asarray(
+      rng.normal(size=shape) * 0.2, jnp.float32), 1, 2))) for n, shape in shapes.items()}
+  grid = {n: np.swapaxes(np.asarray(mx.unpack_k3(*w), np.float64), 1, 2)
+          for n, w in packed.items()}
+  ran = []
+  kernel = mx_triton.expert_ffn
+  monkeypatch.setattr(mx_triton, "expert_ffn",
+                      lambda *a, **kw: ran.append(1) or kernel(*a, **kw))
+  monkeypatch.setattr(mx_api, "expert_ffn_default_impls", lambda: ("triton", "reference"))
+  args = (z, weights, experts, packed["w1"], packed["w3"], packed["w2"], B1, B2)
+  fused = lm.routed_experts(*args, gate_up_impl=None, interpret=True)
+  assert ran == [1] and fused.dtype == jnp.bfloat16
+  unfused = lm.routed_experts(*args, gate_up_impl="xla", interpret=True)
+  assert ran == [1]
+  want, _ = np_experts(np.asarray(z, np.float64), np.asarray(weights, np.float64),
+                       np.asarray(experts), grid, qat=False)
+  for got in (fused, unfused):
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want)
+
+
 def test_config_fields():
   cfg = config_lib.load(TINY, {"model.moe.qat": True, "model.moe.expert_format": "mxfp4"})
   assert cfg.model.moe.qat is True

@@ -37,6 +37,17 @@ launch: the gather, both products and SiTU, `triton.gate_up`); impl=None: "trito
 (its GPU tests pass; 1.15-1.4x the unfused gather, two grouped calls and SiTU at k3_small's
 decode shapes, H100, 2026-12-07), the reference elsewhere. Not differentiable.
 
+The MoE's routed experts whole on packed W1 / W3 / W2 (Eq. 11), for decoding:
+  mxfp4_expert_ffn(x [N, K], weights [N, k], order, inverse [M = N k], w1_packed, w1_scale,
+                   w3_packed, w3_scale [G, F, ...], w2_packed, w2_scale [G, D, ...],
+                   group_sizes [G], beta1, beta2)
+    -> u [N, D] fp32, u[n] = sum_j weights[n, j] W2_g SiTU(W1_g x_n, W3_g x_n)
+tiers "reference" (`mxfp4_gate_up`'s reference, the W2 product in fp32, the weighted sum of each
+token's copies) and "triton" (one launch for the gather, W1, W3, SiTU and W2, each program
+writing its hidden block's share of the W2 product; one XLA fusion sums the shares and the
+copies: `triton.expert_ffn`); impl=None: the reference until the kernel's GPU tests pass
+(`EXPERT_FFN_IS_DEFAULT`). Not differentiable.
+
 Inference ops: differentiable with respect to x only (a custom VJP on every tier: d_x =
 d_out @ W through the reference's dequantization); the packed weights and scales are integer
 arrays and get no gradient (QAT trains the float weights through `k3jax.mx.fake_quantize`).
@@ -299,3 +310,68 @@ def mxfp4_gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale:
                                    group_sizes, beta1=beta1, beta2=beta2, interpret=p.interpret)
   return reference.gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes,
                            beta1=beta1, beta2=beta2)
+
+
+EXPERT_FFN_IMPLS = ("reference", "triton")
+# The Triton kernel joins the default on Hopper once its tests pass there.
+EXPERT_FFN_IS_DEFAULT = False
+
+
+def expert_ffn_default_impls() -> tuple[str, ...]:
+  """`mxfp4_expert_ffn`'s tier order for impl=None on the default device."""
+  hopper = EXPERT_FFN_IS_DEFAULT and _tier("mosaic_gpu").is_hopper()
+  return ("triton", "reference") if hopper else ("reference",)
+
+
+def plan_expert_ffn(x, weights, order, inverse, w1_packed, w1_scale, w3_packed, w3_scale,
+                    w2_packed, w2_scale, group_sizes, *, impl: str | None = None,
+                    interpret: bool = False) -> Plan:
+  """The tier `mxfp4_expert_ffn` would use for these arguments (arrays or
+  ShapeDtypeStructs); bad shapes raise ValueError naming the argument."""
+  if len(weights.shape) != 2 or weights.shape[0] != x.shape[0]:
+    raise ValueError(f"weights must be [N, k] with N = {x.shape[0]} (x's rows), got "
+                     f"{tuple(weights.shape)}")
+  copies = weights.shape[0] * weights.shape[1]
+  for name, a in (("order", order), ("inverse", inverse)):
+    if tuple(a.shape) != (copies,) or not jnp.issubdtype(a.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer [{copies}] array (N k), got "
+                       f"{a.dtype}{list(a.shape)}")
+  if impl is not None and impl not in EXPERT_FFN_IMPLS:
+    raise ValueError(f"impl must be None or one of {EXPERT_FFN_IMPLS}, got {impl!r}")
+  plan_gate_up(x, order, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes,
+               impl="reference")
+  g, f = w1_packed.shape[:2]
+  if len(w2_packed.shape) != 3 or w2_packed.shape[0] != g:
+    raise ValueError(f"w2_packed must hold G={g} experts (w1_packed's), got "
+                     f"{tuple(w2_packed.shape)}")
+  try:
+    _validate("h", jax.ShapeDtypeStruct((copies, f), x.dtype), w2_packed, w2_scale,
+              group_sizes, None)
+  except ValueError as e:
+    raise ValueError(f"W2 (the product of h [M, F={f}]): {e}") from None
+  names = expert_ffn_default_impls() if impl is None else (
+      ("reference",) if impl == "reference" else (impl, "reference"))
+  return tiers.first_supported(
+      names, lambda name: None if name == "reference" else _tier(name).supports_expert_ffn(
+          x, order, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+          group_sizes, interpret=interpret), interpret)
+
+
+def mxfp4_expert_ffn(x: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array,
+                     w1_packed: jax.Array, w1_scale: jax.Array, w3_packed: jax.Array,
+                     w3_scale: jax.Array, w2_packed: jax.Array, w2_scale: jax.Array,
+                     group_sizes: jax.Array, *, beta1: float, beta2: float,
+                     impl: str | None = None, interpret: bool = False) -> jax.Array:
+  """u [N, D] fp32: the routed experts of N tokens past the sort (report Eq. 11), u[n] =
+  sum_j weights[n, j] W2_g SiTU(W1_g x_n, W3_g x_n) for the copy n k + j of group g (order
+  lists the copies by group, inverse undoes it; copies past sum(group_sizes) give zeros);
+  W1 / W3 packed [G, F, K/2] with scales [G, F, K/32], W2 [G, D, F/2] and [G, D, F/32]. impl:
+  None (the platform default, `expert_ffn_default_impls`) or one of EXPERT_FFN_IMPLS; a kernel
+  that declines the call runs the reference (see `plan_expert_ffn`)."""
+  args = (x, weights, order, inverse, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+          w2_scale, group_sizes)
+  p = plan_expert_ffn(*args, impl=impl, interpret=interpret)
+  _log_declines(p)
+  if p.impl == "triton":
+    return _tier("triton").expert_ffn(*args, beta1=beta1, beta2=beta2, interpret=p.interpret)
+  return reference.expert_ffn(*args, beta1=beta1, beta2=beta2)

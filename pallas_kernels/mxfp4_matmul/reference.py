@@ -75,3 +75,18 @@ def gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale: jax.A
   gate, up = (ragged_dot(xs, p, s, group_sizes, preferred_element_type=jnp.float32)
               for p, s in ((w1_packed, w1_scale), (w3_packed, w3_scale)))
   return situ_lib.situ(gate, up, beta1, beta2).astype(x.dtype)
+
+
+def expert_ffn(x: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array,
+               w1_packed: jax.Array, w1_scale: jax.Array, w3_packed: jax.Array,
+               w3_scale: jax.Array, w2_packed: jax.Array, w2_scale: jax.Array,
+               group_sizes: jax.Array, *, beta1: float, beta2: float) -> jax.Array:
+  """The routed experts of a MoE layer past the sort (report Eq. 11), fp32 u [N, D]:
+  u[n] = sum_j weights[n, j] W2_g SiTU(W1_g x_n, W3_g x_n) for copy p = inverse[n k + j] of
+  group g; h in x's dtype (`gate_up`), the W2 product and the sum in fp32."""
+  n, top_k = weights.shape
+  h = gate_up(x, order // top_k, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes,
+              beta1=beta1, beta2=beta2)
+  out = ragged_dot(h, w2_packed, w2_scale, group_sizes, preferred_element_type=jnp.float32)
+  return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32),
+                    out[inverse].reshape(n, top_k, -1), preferred_element_type=jnp.float32)

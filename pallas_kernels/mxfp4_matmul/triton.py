@@ -874,3 +874,122 @@ def gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale: jax.A
       interpret=interpret, name="mxfp4_gate_up_triton",
   )(group_sizes.astype(jnp.int32), rows.astype(jnp.int32), x, view(w1_packed), w1_scale,
     view(w3_packed), w3_scale)
+
+
+# ------------------------------------------------------------------------------------------
+# The MoE experts whole: gather, W1 and W3, SiTU, W2, in one launch
+# ------------------------------------------------------------------------------------------
+
+FFN_BLOCK_D = 128      # W2's output columns per product of the down step
+
+
+def _ffn_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, p2_ref, s2_ref,
+                out_ref, *, cfg: Config, situ, interpret: bool):
+  """Program (j, t): hidden columns [j bn, + bn) of the rows of the t-th non-empty group: h's
+  tile [bm, bn] (`_gate_up_rows`' products and SiTU, rounded to x's dtype), then its part of
+  the down product, h_tile @ W2_group[:, j bn: + bn]^T [bm, D] in fp32, into out[j]; the last
+  slot zeros out[j]'s rows past the groups."""
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  nb, steps = bk // BLOCK, x_ref.shape[1] // bk
+  d = out_ref.shape[2]
+  bd = min(FFN_BLOCK_D, d)
+  j = pl.program_id(0)
+  m = rows_ref.shape[0]
+  n0 = pl.multiple_of(j * bn, bn)
+  w2_blocks = pl.ds(pl.multiple_of(j * (bn // BLOCK), bn // BLOCK), bn // BLOCK)
+  group, first, end, past = _slot_group(gs_ref, p1_ref.shape[0], m)
+
+  def row_block(r0, valid):
+    tokens = plgpu_triton.load(rows_ref.at[pl.ds(r0, bm)], mask=valid, other=0)
+
+    def step(kk, acc):
+      x = _halves(x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)])   # one row a token
+      blocks = pl.ds(_aligned(kk * nb, nb), nb)
+      return tuple(_mma_step(a, x, p_ref[group, pl.ds(n0, bn), blocks, :],
+                             s_ref[group, pl.ds(n0, bn), blocks], cfg, interpret)
+                   for (p_ref, s_ref), a in zip(((p1_ref, s1_ref), (p3_ref, s3_ref)), acc))
+
+    zeros = jnp.zeros((bm, bn), jnp.float32)
+    gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
+    h = _halves(situ(gate, up).astype(x_ref.dtype))
+
+    def down(c, carry):
+      cols = pl.ds(pl.multiple_of(c * bd, bd), bd)
+      part = _mma_step(jnp.zeros((bm, bd), jnp.float32), h, p2_ref[group, cols, w2_blocks, :],
+                       s2_ref[group, cols, w2_blocks], cfg, interpret)
+      plgpu_triton.store(out_ref.at[j, pl.ds(r0, bm), cols], part, mask=valid[:, None])
+      return carry
+
+    lax.fori_loop(0, d // bd, down, 0)
+
+  def zero_rows(r0, valid):
+    def chunk(c, carry):
+      cols = pl.ds(pl.multiple_of(c * bd, bd), bd)
+      plgpu_triton.store(out_ref.at[j, pl.ds(r0, bm), cols], jnp.zeros((bm, bd), jnp.float32),
+                         mask=valid[:, None])
+      return carry
+    lax.fori_loop(0, d // bd, chunk, 0)
+
+  t, last = pl.program_id(1), pl.num_programs(1) - 1
+  pl.when(t < last)(lambda: _row_blocks(first, end, bm, row_block))
+  pl.when(t == last)(lambda: _row_blocks(past, m, bm, zero_rows))
+
+
+def supports_expert_ffn(x, order, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                        w2_scale, group_sizes, *, interpret: bool = False,
+                        config: Config | None = None) -> str | None:
+  """None if `expert_ffn` takes this call (shapes checked by the API), else the reason:
+  `supports_gate_up`'s, block_n (W2's K step) at least 32, and W2's output width D a power of
+  two from 16 or a multiple of FFN_BLOCK_D."""
+  if reason := supports_gate_up(x, order, w1_packed, w1_scale, w3_packed, w3_scale,
+                                group_sizes, interpret=interpret, config=config):
+    return reason
+  m, f, d = order.shape[0], w1_packed.shape[1], w2_packed.shape[1]
+  cfg = default_config(m, x.shape[1], f, True) if config is None else config
+  if cfg.block_n < BLOCK:
+    return f"block_n={cfg.block_n} is W2's K step: at least one scale block ({BLOCK})"
+  if d % FFN_BLOCK_D and (d < 16 or d & (d - 1)):
+    return f"W2's output width D={d} must be a power of two >= 16 or a multiple of {FFN_BLOCK_D}"
+  parts = jax.ShapeDtypeStruct((f // cfg.block_n, m, d), jnp.float32)
+  if not interpret and (reason := tiers.triton_offsets_reason(
+      w2_packed=w2_packed, w2_scale=w2_scale, parts=parts)):
+    return reason
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("beta1", "beta2", "interpret", "config"))
+def expert_ffn(x: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.Array,
+               w1_packed: jax.Array, w1_scale: jax.Array, w3_packed: jax.Array,
+               w3_scale: jax.Array, w2_packed: jax.Array, w2_scale: jax.Array,
+               group_sizes: jax.Array, *, beta1: float, beta2: float, interpret: bool = False,
+               config: Config | None = None) -> jax.Array:
+  """`reference.expert_ffn` (u [N, D] fp32) in one launch and one XLA fusion: the kernel
+  (`_ffn_kernel`, grid (F / block_n, min(G, M) + 1)) writes each hidden block's share of every
+  copy's W2 product, fp32 [F / block_n, M, D], never h; the fusion gathers each token's copies
+  from it and sums them with the routing weights. Call `supports_expert_ffn` first."""
+  if reason := supports_expert_ffn(x, order, w1_packed, w1_scale, w3_packed, w3_scale,
+                                   w2_packed, w2_scale, group_sizes, interpret=interpret,
+                                   config=config):
+    raise NotImplementedError(reason)
+  (n, top_k), (m,), (g, f, half) = weights.shape, order.shape, w1_packed.shape
+  k, d = 2 * half, w2_packed.shape[1]
+  cfg = default_config(m, k, f, True) if config is None else config
+  tanh = jnp.tanh if interpret else plgpu_triton.approx_tanh
+
+  def situ(gate, up):
+    a, b, *_ = gate_up_triton.situ_factors(gate, up, beta1, beta2, tanh)
+    return a * b
+
+  view = lambda p, cols: p.reshape(g, p.shape[1], cols // BLOCK, HALF)   # free
+  parts = pl.pallas_call(
+      functools.partial(_ffn_kernel, cfg=cfg, situ=situ, interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct((f // cfg.block_n, m, d), jnp.float32),
+      grid=(f // cfg.block_n, min(g, m) + 1),
+      compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
+                                                  num_stages=cfg.num_stages),
+      interpret=interpret, name="mxfp4_expert_ffn_triton",
+  )(group_sizes.astype(jnp.int32), (order // top_k).astype(jnp.int32), x, view(w1_packed, k),
+    w1_scale, view(w3_packed, k), w3_scale, view(w2_packed, f), w2_scale)
+  copies = parts[:, inverse].reshape(parts.shape[0], n, top_k, d)
+  return jnp.einsum("nk,pnkl->nl", weights.astype(jnp.float32), copies,
+                    preferred_element_type=jnp.float32)

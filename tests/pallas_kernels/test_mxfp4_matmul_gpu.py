@@ -15,6 +15,7 @@ M = 1 and 16 dense and over 8 experts at M = 16 and 64, and every benchmark cand
 kernel (gather, W1 / W3, SiTU) against the reference tier at k3_small's and K3's shapes.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,12 @@ from mxfp4_testing import every_code
 from mxfp4_testing import plant_overflow_and_nan
 from mxfp4_testing import rel_err
 from pallas_kernels.mxfp4_matmul import mosaic_gpu
+from pallas_kernels.mxfp4_matmul import mxfp4_expert_ffn
 from pallas_kernels.mxfp4_matmul import mxfp4_gate_up
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
 from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan
+from pallas_kernels.mxfp4_matmul import plan_expert_ffn
 from pallas_kernels.mxfp4_matmul import plan_gate_up
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
@@ -355,6 +358,33 @@ def test_triton_gate_up(k, f, m):
   out = fn(x, rows, p1, s1, p3, s3, gs, beta1=4.0, beta2=2.0, impl="triton")
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, rel_err(out, ref)
   np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes):], 0.0)
+
+
+@pytest.mark.parametrize("config", [None, triton.Config(block_n=128, block_k=256,
+                                                          dequant="ptx")])
+@pytest.mark.parametrize("n, top_k, g, k, f, d", [(16, 8, 64, 512, 512, 512),
+                                                  (4, 16, 32, 3584, 3072, 3584)])
+def test_triton_expert_ffn(config, n, top_k, g, k, f, d):
+  """The packed experts whole in one kernel (`triton.expert_ffn`: gather, W1 / W3, SiTU with
+  tanh.approx, W2 by hidden blocks, then the combine) against the reference tier at
+  k3_small's decode shape (16 tokens, top-8 of 64 experts) and K3's expert shapes (top-16 of
+  32 experts); the API picks it by name."""
+  rng = np.random.default_rng(n + k)
+  experts = np.stack([rng.choice(g, top_k, replace=False) for _ in range(n)])
+  order = np.argsort(experts.reshape(-1), kind="stable")
+  args = [jnp.asarray(rng.uniform(0.1, 1.0, (n, top_k)), jnp.float32),
+          jnp.asarray(order, jnp.int32), jnp.asarray(np.argsort(order), jnp.int32)]
+  x, p1, s1 = make(n, k, f, g, seed=k)
+  _, p3, s3 = make(n, k, f, g, seed=k + 1)
+  _, p2, s2 = make(n, f, d, g, seed=k + 2)
+  gs = jnp.asarray(np.bincount(experts.reshape(-1), minlength=g), jnp.int32)
+  args = (x, *args, p1, s1, p3, s3, p2, s2, gs)
+  assert plan_expert_ffn(*args, impl="triton").impl == "triton"
+  ref = jax.jit(functools.partial(mxfp4_expert_ffn, beta1=4.0, beta2=2.0, impl="reference"))(
+      *args)
+  out = jax.jit(functools.partial(triton.expert_ffn, beta1=4.0, beta2=2.0, config=config))(
+      *args)
+  assert out.dtype == jnp.float32 and rel_err(out, ref) < BF16_TOL, rel_err(out, ref)
 
 
 @pytest.mark.large_memory

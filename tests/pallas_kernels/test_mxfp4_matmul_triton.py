@@ -32,10 +32,13 @@ from mxfp4_testing import plant_overflow_and_nan
 from mxfp4_testing import rel_err
 from pallas_kernels.mxfp4_matmul import IMPLS
 from pallas_kernels.mxfp4_matmul import mosaic_gpu as mxfp4_mosaic_gpu
+from pallas_kernels.mxfp4_matmul import api as mxfp4_api
+from pallas_kernels.mxfp4_matmul import mxfp4_expert_ffn
 from pallas_kernels.mxfp4_matmul import mxfp4_gate_up
 from pallas_kernels.mxfp4_matmul import mxfp4_matmul
 from pallas_kernels.mxfp4_matmul import mxfp4_ragged_dot
 from pallas_kernels.mxfp4_matmul import plan
+from pallas_kernels.mxfp4_matmul import plan_expert_ffn
 from pallas_kernels.mxfp4_matmul import plan_gate_up
 from pallas_kernels.mxfp4_matmul import plan_ragged_dot
 from pallas_kernels.mxfp4_matmul import reference
@@ -372,6 +375,113 @@ def test_gate_up_lowers_to_one_triton_call_for_h200(n, m, k, f, g):
   cfg = triton.default_config(m, k, f, True)
   assert name == "mxfp4_gate_up_triton", name
   assert (params["grid_x"], params["grid_y"]) == (f // cfg.block_n, min(g, m) + 1), params
+
+
+def routing(seed: int, n: int, top_k: int, g: int, skip: int | None = None):
+  """Random top-k experts of n tokens (expert `skip` never picked): weights [n, k] fp32, and
+  the copies sorted by expert with numpy (order, inverse, sizes)."""
+  rng = np.random.default_rng(seed)
+  pool = [e for e in range(g) if e != skip]
+  experts = np.stack([rng.choice(pool, top_k, replace=False) for _ in range(n)])
+  order = np.argsort(experts.reshape(-1), kind="stable")
+  sizes = np.bincount(experts.reshape(-1), minlength=g)
+  w = rng.uniform(0.1, 1.0, (n, top_k)).astype(np.float32)
+  return (jnp.asarray(w), jnp.asarray(order, jnp.int32),
+          jnp.asarray(np.argsort(order), jnp.int32), experts, sizes)
+
+
+def expert_ffn_oracle(x, w, experts, w1, w3, w2, beta1, beta2) -> np.ndarray:
+  """u[n] = sum_j w[n, j] W2_e SiTU(W1_e x_n, W3_e x_n) in float64, token by token and copy
+  by copy (e = experts[n, j]), h rounded to bf16 as the kernel's W2 operand is."""
+  x = np.asarray(x, np.float64)
+  w1, w3, w2 = (np.asarray(mx.unpack_k3(*a), np.float64) for a in (w1, w3, w2))
+  u = np.zeros((x.shape[0], w2.shape[1]))
+  for n in range(x.shape[0]):
+    for j, e in enumerate(experts[n]):
+      g, up = w1[e] @ x[n], w3[e] @ x[n]
+      h = beta1 * np.tanh(g / beta1) / (1 + np.exp(-g)) * beta2 * np.tanh(up / beta2)
+      h = np.asarray(h.astype(ml_dtypes.bfloat16), np.float64)
+      u[n] += w[n, j] * (w2[e] @ h)
+  return u
+
+
+@pytest.mark.parametrize("cfg", [triton.Config(block_n=32, block_k=128),
+                                 triton.Config(block_n=64, block_k=64)])
+def test_expert_ffn_matches_a_loop_over_copies(cfg):
+  """`triton.expert_ffn` (one kernel: gather, W1 / W3, SiTU, W2 by hidden blocks, then one
+  fusion summing blocks and copies) against a float64 loop over every token's copies: an
+  expert never picked, K 256 in two or four steps, D 256 in two chunks of FFN_BLOCK_D; the
+  reference tier the same; copies past the groups (a larger order) give no output."""
+  n, top_k, g, k, f, d, beta1, beta2 = 10, 3, 5, 256, 128, 256, 4.0, 2.0
+  w, order, inverse, experts, sizes = routing(3, n, top_k, g, skip=2)
+  assert sizes[2] == 0
+  x = activations(21, n, k)
+  w1, w3, w2 = weights(22, g, f, k), weights(23, g, f, k), weights(24, g, d, f)
+  gs = jnp.asarray(sizes, jnp.int32)
+  want = expert_ffn_oracle(x.astype(jnp.float32), np.asarray(w), experts, w1, w3, w2,
+                           beta1, beta2)
+  u = triton.expert_ffn(x, w, order, inverse, *w1, *w3, *w2, gs, beta1=beta1, beta2=beta2,
+                        interpret=True, config=cfg)
+  assert u.dtype == jnp.float32 and u.shape == (n, d)
+  assert rel_err(u, want) < 1e-3, cfg
+  ref = reference.expert_ffn(x, w, order, inverse, *w1, *w3, *w2, gs, beta1=beta1,
+                             beta2=beta2)
+  assert rel_err(ref, want) < 1e-3
+
+
+def test_expert_ffn_api_default_and_refusals(monkeypatch):
+  """impl=None: the reference (the kernel joins Hopper's default with EXPERT_FFN_IS_DEFAULT);
+  impl="triton" in the interpreter equals the reference; a config the kernel cannot take and
+  bad arguments are named."""
+  n, top_k, g, k, f, d = 6, 2, 4, 128, 64, 64
+  w, order, inverse, experts, sizes = routing(5, n, top_k, g)
+  x = activations(1, n, k)
+  ws = (*weights(2, g, f, k), *weights(3, g, f, k), *weights(4, g, d, f))
+  gs = jnp.asarray(sizes, jnp.int32)
+  args = (x, w, order, inverse, *ws, gs)
+  assert plan_expert_ffn(*args, interpret=True).impl == "reference"
+  monkeypatch.setattr(mxfp4_mosaic_gpu, "is_hopper", lambda: True)
+  assert plan_expert_ffn(*args, interpret=True).impl == "reference"
+  monkeypatch.setattr(mxfp4_api, "EXPERT_FFN_IS_DEFAULT", True)
+  assert plan_expert_ffn(*args, interpret=True).impl == "triton"
+  got = {impl: mxfp4_expert_ffn(*args, beta1=4.0, beta2=2.0, impl=impl, interpret=True)
+         for impl in ("triton", "reference")}
+  assert rel_err(got["triton"], np.asarray(got["reference"], np.float64)) < 1e-3
+  small = triton.Config(block_n=16, block_k=64)
+  assert "W2's K step" in triton.supports_expert_ffn(x, order, *ws, gs, interpret=True,
+                                                      config=small)
+  odd = (*ws[:4], *weights(4, g, 48, f))
+  assert "output width D=48" in triton.supports_expert_ffn(x, order, *odd, gs, interpret=True)
+  with pytest.raises(ValueError, match=r"weights must be \[N, k\] with N = 6"):
+    plan_expert_ffn(x, w[:5], order, inverse, *ws, gs)
+  with pytest.raises(ValueError, match=r"inverse must be an integer \[12\] array"):
+    plan_expert_ffn(x, w, order, inverse[:5], *ws, gs)
+  with pytest.raises(ValueError, match=r"W2 \(the product of h \[M, F=64\]\): w_packed"):
+    plan_expert_ffn(x, w, order, inverse, *ws[:4], *weights(4, g, d, 2 * f), gs)
+  with pytest.raises(ValueError, match="w2_packed must hold G=4 experts"):
+    plan_expert_ffn(x, w, order, inverse, *ws[:4], *weights(4, g + 1, d, f), gs)
+
+
+def test_expert_ffn_lowers_to_one_triton_call_for_h200():
+  """`triton.expert_ffn` at k3_small's decode shape (16 tokens x top-8 over 64 experts, 512 ->
+  512 -> 512) lowers for an H200 to one Triton kernel, grid (F / block_n, min(G, M) + 1)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                       platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  n, top_k, g, k, f, d = 16, 8, 64, 512, 512, 512
+  u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct((n, top_k), jnp.float32), i32(n * top_k), i32(n * top_k),
+          u8(g, f, k // 2), u8(g, f, k // 32), u8(g, f, k // 2), u8(g, f, k // 32),
+          u8(g, d, f // 2), u8(g, d, f // 32), i32(g))
+  fn = lambda *a: triton.expert_ffn(*a, beta1=4.0, beta2=2.0)
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  [(name, params, _)] = triton_sass.triton_modules(lowered)
+  cfg = triton.default_config(n * top_k, k, f, True)
+  assert name == "mxfp4_expert_ffn_triton", name
+  assert (params["grid_x"], params["grid_y"]) == (f // cfg.block_n, min(g, n * top_k) + 1)
 
 
 # ------------------------------------------------------------------------------------------
