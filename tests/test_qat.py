@@ -193,13 +193,11 @@ def test_fused_path_quantizes_before_the_gather_and_before_w2(monkeypatch):
   assert np.linalg.norm(np.asarray(fused, np.float64) - ref) < 2e-2 * np.linalg.norm(ref)
 
 
-def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
-  """Packed experts with gate_up_impl="triton", or None on Hopper: the fused MXFP4 kernel
-  (interpreted: the gather, W1 / W3 and SiTU in one call; it ran, not the reference) then W2
-  equal the fp64 loop over experts on the same MXFP4 weights to bf16 rounding, as does the
-  unfused packed path (gate_up_impl None elsewhere)."""
-  rng = np.random.default_rng(9)
-  n_tok, lat, mid, num_e = 10, 128, 64, 4
+def packed_case(seed: int, n_tok: int, lat: int = 128, mid: int = 64, num_e: int = 4):
+  """Tokens z [n_tok, lat] bf16, routing weights and distinct top-k experts, MXFP4-packed
+  experts (`lm.PackedWeight`s of w1, w3 [E, lat, mid] and w2 [E, mid, lat]) and their values
+  [E, in, out] fp64."""
+  rng = np.random.default_rng(seed)
   z = jnp.asarray(rng.normal(size=(n_tok, lat)), jnp.bfloat16)
   weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n_tok, TOP_K)), jnp.float32)
   experts = jnp.asarray(np.stack([rng.permutation(num_e)[:TOP_K] for _ in range(n_tok)]),
@@ -209,6 +207,15 @@ def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
       rng.normal(size=shape) * 0.2, jnp.float32), 1, 2))) for n, shape in shapes.items()}
   grid = {n: np.swapaxes(np.asarray(mx.unpack_k3(*w), np.float64), 1, 2)
           for n, w in packed.items()}
+  return z, weights, experts, packed, grid
+
+
+def test_packed_experts_fused_gate_up_matches_loop_oracle(monkeypatch):
+  """Packed experts with gate_up_impl="triton", or None on Hopper: the fused MXFP4 kernel
+  (interpreted: the gather, W1 / W3 and SiTU in one call; it ran, not the reference) then W2
+  equal the fp64 loop over experts on the same MXFP4 weights to bf16 rounding, as does the
+  unfused packed path (gate_up_impl None elsewhere)."""
+  z, weights, experts, packed, grid = packed_case(9, 10)
   ran = []
   kernel = mx_triton.gate_up
   monkeypatch.setattr(mx_triton, "gate_up",
@@ -234,17 +241,7 @@ def test_packed_experts_whole_ffn_kernel_matches_loop_oracle(monkeypatch):
   EXPERT_FFN_IS_DEFAULT; interpreted: gather, W1 / W3, SiTU and W2 in one call, then the
   combine; it ran) equal the fp64 loop over experts to bf16 rounding; gate_up_impl="xla" and
   qat keep the other paths."""
-  rng = np.random.default_rng(11)
-  n_tok, lat, mid, num_e = 12, 128, 64, 4
-  z = jnp.asarray(rng.normal(size=(n_tok, lat)), jnp.bfloat16)
-  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n_tok, TOP_K)), jnp.float32)
-  experts = jnp.asarray(np.stack([rng.permutation(num_e)[:TOP_K] for _ in range(n_tok)]),
-                        jnp.int32)
-  shapes = {"w1": (num_e, lat, mid), "w3": (num_e, lat, mid), "w2": (num_e, mid, lat)}
-  packed = {n: lm.PackedWeight(*mx.pack_k3(jnp.swapaxes(jnp.asarray(
-      rng.normal(size=shape) * 0.2, jnp.float32), 1, 2))) for n, shape in shapes.items()}
-  grid = {n: np.swapaxes(np.asarray(mx.unpack_k3(*w), np.float64), 1, 2)
-          for n, w in packed.items()}
+  z, weights, experts, packed, grid = packed_case(11, 12)
   ran = []
   kernel = mx_triton.expert_ffn
   monkeypatch.setattr(mx_triton, "expert_ffn",

@@ -784,29 +784,36 @@ def ragged_dot(lhs: jax.Array, w_packed: jax.Array, w_scale: jax.Array, group_si
 def _gate_up_rows(first, end, rows_ref, x_ref, weights, h_ref, group, n0, cfg: Config,
                   situ, interpret: bool):
   """h[first:end, n0:n0 + bn] = situ(x[rows] @ W1_group^T, x[rows] @ W3_group^T) for the
-  group's sorted rows [first, end) in row blocks of block_m: each row's token index from
-  rows_ref, its x row gathered per K step and dotted with both weights' dequantized tiles.
-  weights: ((w1 packed ref, w1 scale ref), (w3 packed ref, w3 scale ref))."""
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-  nb = bk // BLOCK
-  steps = x_ref.shape[1] // bk
+  group's sorted rows [first, end) in row blocks of block_m (`_gate_up_tile`)."""
+  bm, bn = cfg.block_m, cfg.block_n
 
   def row_block(r0, valid):
-    tokens = plgpu_triton.load(rows_ref.at[pl.ds(r0, bm)], mask=valid, other=0)
-
-    def step(kk, acc):
-      x = _halves(x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)])   # one row a token
-      blocks = pl.ds(_aligned(kk * nb, nb), nb)
-      return tuple(_mma_step(a, x, p_ref[group, pl.ds(n0, bn), blocks, :],
-                             s_ref[group, pl.ds(n0, bn), blocks], cfg, interpret)
-                   for (p_ref, s_ref), a in zip(weights, acc))
-
-    zeros = jnp.zeros((bm, bn), jnp.float32)
-    gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
+    gate, up = _gate_up_tile(r0, valid, rows_ref, x_ref, weights, group, n0, cfg, interpret)
     plgpu_triton.store(h_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)],
                        situ(gate, up).astype(h_ref.dtype), mask=valid[:, None])
 
   _row_blocks(first, end, bm, row_block)
+
+
+def _gate_up_tile(r0, valid, rows_ref, x_ref, weights, group, n0, cfg: Config,
+                  interpret: bool):
+  """(x[rows] @ W1_group^T, x[rows] @ W3_group^T) [bm, bn] fp32 for the sorted rows [r0, +
+  bm) (valid marks the real ones) and columns [n0, + bn): each row's token index from
+  rows_ref, its x row gathered per K step and dotted with both weights' dequantized tiles.
+  weights: ((w1 packed ref, w1 scale ref), (w3 packed ref, w3 scale ref))."""
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  nb = bk // BLOCK
+  tokens = plgpu_triton.load(rows_ref.at[pl.ds(r0, bm)], mask=valid, other=0)
+
+  def step(kk, acc):
+    x = _halves(x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)])   # one row a token
+    blocks = pl.ds(_aligned(kk * nb, nb), nb)
+    return tuple(_mma_step(a, x, p_ref[group, pl.ds(n0, bn), blocks, :],
+                           s_ref[group, pl.ds(n0, bn), blocks], cfg, interpret)
+                 for (p_ref, s_ref), a in zip(weights, acc))
+
+  zeros = jnp.zeros((bm, bn), jnp.float32)
+  return lax.fori_loop(0, x_ref.shape[1] // bk, step, (zeros, zeros))
 
 
 def _gate_up_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, h_ref, *,
@@ -889,8 +896,7 @@ def _ffn_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, p2_ref,
   tile [bm, bn] (`_gate_up_rows`' products and SiTU, rounded to x's dtype), then its part of
   the down product, h_tile @ W2_group[:, j bn: + bn]^T [bm, D] in fp32, into out[j]; the last
   slot zeros out[j]'s rows past the groups."""
-  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-  nb, steps = bk // BLOCK, x_ref.shape[1] // bk
+  bm, bn = cfg.block_m, cfg.block_n
   d = out_ref.shape[2]
   bd = min(FFN_BLOCK_D, d)
   j = pl.program_id(0)
@@ -900,17 +906,8 @@ def _ffn_kernel(gs_ref, rows_ref, x_ref, p1_ref, s1_ref, p3_ref, s3_ref, p2_ref,
   group, first, end, past = _slot_group(gs_ref, p1_ref.shape[0], m)
 
   def row_block(r0, valid):
-    tokens = plgpu_triton.load(rows_ref.at[pl.ds(r0, bm)], mask=valid, other=0)
-
-    def step(kk, acc):
-      x = _halves(x_ref[tokens, pl.ds(_aligned(kk * bk, bk), bk)])   # one row a token
-      blocks = pl.ds(_aligned(kk * nb, nb), nb)
-      return tuple(_mma_step(a, x, p_ref[group, pl.ds(n0, bn), blocks, :],
-                             s_ref[group, pl.ds(n0, bn), blocks], cfg, interpret)
-                   for (p_ref, s_ref), a in zip(((p1_ref, s1_ref), (p3_ref, s3_ref)), acc))
-
-    zeros = jnp.zeros((bm, bn), jnp.float32)
-    gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
+    gate, up = _gate_up_tile(r0, valid, rows_ref, x_ref, ((p1_ref, s1_ref), (p3_ref, s3_ref)),
+                             group, n0, cfg, interpret)
     h = _halves(situ(gate, up).astype(x_ref.dtype))
 
     def down(c, carry):
