@@ -21,6 +21,10 @@ rows (op "moe_decode_gate_up"): "unfused" (the copies gathered as the MoE's disp
 `latent_moe.take_rows`, the two calls above, SiTU by XLA) against
 `mxfp4_matmul.triton.gate_up` (gather, W1, W3 and SiTU in one launch) in its default config
 and in each of --gate_up_configs; errors against the reference tier's gate/up.
+Where F == K (k3_small), op "moe_decode_ffn" runs the packed experts whole from the B token
+rows: "unfused" (the fused gate/up, W2 as a grouped call, the combine) against
+`mxfp4_matmul.triton.expert_ffn` (one launch, then the combine's fusion); errors against
+the reference tier's `expert_ffn`.
 `--grouped_configs` adds rows "mxfp4_<name>": the packed grouped products on the Triton tier in
 DECODE_CONFIGS' candidates (gate/up as two calls).
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
@@ -272,6 +276,50 @@ def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets:
                floor_fraction=None if rec["floor_ms"] is None else round(rec["floor_ms"] / ms, 3))
     records.append(rec)
     print(f"{base['shape']['name']:18s} B{batch:<3d} gate/up {impl:22s} {ms:9.4f} ms  rel "
+          f"{rec['rel_l2_vs_reference']:.1e}", flush=True)
+  if w1[0].shape[1] == k:       # F == K (k3_small): W1's packed shape serves as W2 [G, K, F/2]
+    records += run_ffn(base, picks, x, weight_sets, sizes, floor_bytes, floor_ms, toy, rel)
+  return records
+
+
+def run_ffn(base: dict, picks: np.ndarray, x: jax.Array, weight_sets: list, sizes: jax.Array,
+            floor_bytes: int, floor_ms: Callable, toy: bool, rel: Callable) -> list[dict]:
+  """The packed experts whole from the B token rows (op "moe_decode_ffn"): "unfused" (the
+  fused gate/up, W2 as a grouped call, `latent_moe.combine`) against `mxfp4_triton.expert_ffn`
+  (one launch and the combine's fusion); W1's packed copy serves as W2 (F == K)."""
+  batch, top_k = x.shape[0], len(picks) // x.shape[0]
+  order = np.argsort(picks, kind="stable")
+  order, inverse = (jnp.asarray(a, jnp.int32) for a in (order, np.argsort(order)))
+  weights = jax.random.uniform(jax.random.key(1), (batch, top_k), jnp.float32, 0.1, 1.0)
+  impl_kw = dict(impl=MXFP4_TOY_IMPL if toy else None, interpret=toy)
+
+  def unfused(x, parts, gs):
+    h = mxfp4_triton.gate_up(x, order // top_k, *parts[0], *parts[1], gs, beta1=BETAS[0],
+                             beta2=BETAS[1], interpret=toy)
+    out = mxfp4_ragged_dot(h, *parts[0], gs, **impl_kw)
+    return latent_moe.combine(out, weights, order, inverse)
+
+  def fused(x, parts, gs):
+    return mxfp4_triton.expert_ffn(x, weights, order, inverse, *parts[0], *parts[1],
+                                   *parts[0], gs, beta1=BETAS[0], beta2=BETAS[1],
+                                   interpret=toy)
+
+  (w1, w3), = weight_sets[:1]
+  want = mxfp4_reference.expert_ffn(x, weights, order, inverse, *w1, *w3, *w1, sizes,
+                                    beta1=BETAS[0], beta2=BETAS[1])
+  records = []
+  for impl, fn in (("unfused", unfused), ("expert_ffn", fused)):
+    nbytes = floor_bytes * 3 // 2             # W2's bytes: half the gate/up's
+    rec = dict(base, op="moe_decode_ffn", implementation=impl, floor_bytes=nbytes,
+               floor_ms=floor_ms(nbytes), config=None)
+    rec["shape"] = dict(base["shape"], M=batch * top_k, N=w1[0].shape[1], tokens=batch)
+    jitted = jax.jit(fn)
+    ms = timed(jitted, rec, x, weight_sets, sizes, toy)
+    got = jitted(x, weight_sets[0], sizes).astype(jnp.float32)
+    rec.update(median_ms=round(ms, 4), rel_l2_vs_reference=rel(got, want),
+               floor_fraction=None if rec["floor_ms"] is None else round(rec["floor_ms"] / ms, 3))
+    records.append(rec)
+    print(f"{base['shape']['name']:18s} B{batch:<3d} ffn {impl:26s} {ms:9.4f} ms  rel "
           f"{rec['rel_l2_vs_reference']:.1e}", flush=True)
   return records
 

@@ -164,6 +164,11 @@ def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_pat
   for r in gate_up.values():    # from the 2 token rows; against the reference tier's gate/up
     assert r["median_ms"] > 0 and r["rel_l2_vs_reference"] < 1e-2, r
     assert r["shape"]["tokens"] == 2 and r["shape"]["N"] == 128, r
+  ffn = {r["implementation"]: r for r in records(out) if r["op"] == "moe_decode_ffn"}
+  assert set(ffn) == {"unfused", "expert_ffn"}
+  for r in ffn.values():        # the experts whole, against the reference tier's expert_ffn
+    assert r["median_ms"] > 0 and r["rel_l2_vs_reference"] < 1e-2, r
+    assert r["floor_bytes"] == gate_up["fused"]["floor_bytes"] * 3 // 2, r
   for r in recs.values():
     assert r["median_ms"] > 0 and r["commit"] and r["date"] and r["timing"].startswith("wall")
     assert r["shape"]["M"] == r["shape"]["B"] * r["shape"]["top_k"] == 8
