@@ -72,6 +72,7 @@ from pallas_kernels.expert_sort import api as expert_sort_api
 from pallas_kernels import kda_decode
 from pallas_kernels.kda_decode import api as kda_decode_api
 from pallas_kernels.kda_decode import triton as kda_decode_triton
+from pallas_kernels.moe_route import api as moe_route_api
 from pallas_kernels.mxfp4_matmul import api as mxfp4_api
 from pallas_kernels.ragged_dot import mosaic_gpu as ragged_mosaic_gpu
 
@@ -108,6 +109,10 @@ _EXPERT_FFN = flags.DEFINE_enum(
     "expert_ffn", "", ("", "fused", "unfused"),
     "Packed experts' FFN (\"\": the default; \"fused\" sets pallas_kernels.mxfp4_matmul.api."
     "EXPERT_FFN_IS_DEFAULT: W1, W3, SiTU and W2 in one Triton launch; recorded as moe_kernels).")
+_MOE_ROUTE = flags.DEFINE_enum(
+    "moe_route", "", ("", "xla", "triton"),
+    "Decode steps' routing and sort (\"\": the default; sets pallas_kernels.moe_route.api."
+    "TRITON_IS_DEFAULT: one Triton kernel; recorded as moe_kernels).")
 _KDA_DECODE = flags.DEFINE_enum(
     "kda_decode", "", ("", "xla", "triton"),
     "The KDA layers' decode step (\"\": the default; sets pallas_kernels.kda_decode.api."
@@ -411,7 +416,8 @@ def moe_kernels() -> str | None:
   parts = ([f"gate_up_impl={_GATE_UP_IMPL.value}"] if _GATE_UP_IMPL.value else []) + (
       ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else []) + (
       [f"expert_sort={_EXPERT_SORT.value}"] if _EXPERT_SORT.value else []) + (
-      [f"expert_ffn={_EXPERT_FFN.value}"] if _EXPERT_FFN.value else [])
+      [f"expert_ffn={_EXPERT_FFN.value}"] if _EXPERT_FFN.value else []) + (
+      [f"moe_route={_MOE_ROUTE.value}"] if _MOE_ROUTE.value else [])
   return ", ".join(parts) or None
 
 
@@ -419,6 +425,8 @@ def main(argv):
   del argv
   if _SWAPPED_GMM.value:
     ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
+  if _MOE_ROUTE.value:
+    moe_route_api.TRITON_IS_DEFAULT = _MOE_ROUTE.value == "triton"
   if _EXPERT_FFN.value:
     mxfp4_api.EXPERT_FFN_IS_DEFAULT = _EXPERT_FFN.value == "fused"
   if _EXPERT_SORT.value:

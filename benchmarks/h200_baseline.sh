@@ -85,9 +85,10 @@
 #                                                          # decode (B 16, 128k, packed experts)
 #                                                          # per KDA_DECODE_RUNS
 #   bash benchmarks/h200_baseline.sh expert_ffn           # ~7 min: the packed experts' one-launch
-#                                                          # FFN's GPU tests, the op against the
-#                                                          # unfused calls, k3_small's decode
-#                                                          # (B 16, 128k) with it, without, with
+#                                                          # FFN's and the one-kernel routing's GPU
+#                                                          # tests, the FFN against the unfused
+#                                                          # calls, k3_small's decode (B 16, 128k)
+#                                                          # per EXPERT_FFN_RUNS
 #   BASE_COMMIT=b4f4a80 bash benchmarks/h200_baseline.sh decode_ab
 #                                                          # ~3 min: k3_small's decode (B 16, 128k,
 #                                                          # packed experts) of this tree and of
@@ -501,17 +502,18 @@ PY
       done
       ;;
     expert_ffn)
-      # The packed experts whole in one launch (mxfp4_matmul.triton.expert_ffn): its GPU tests,
-      # the op against the unfused calls at k3_small's decode shapes (moe_decode_gemm), then
-      # k3_small's decode loop per EXPERT_FFN_RUNS (benchmarks.decode flags).
+      # The packed experts whole in one launch (mxfp4_matmul.triton.expert_ffn) and a decode
+      # step's routing and sort in one (moe_route): their GPU tests, the experts whole against
+      # the unfused calls at k3_small's decode shapes (moe_decode_gemm), then k3_small's decode
+      # loop per EXPERT_FFN_RUNS (benchmarks.decode flags; "," joins the flags of one run).
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXPERT_FFN_TEST_S:-150} python3 -m pytest \
         -q -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py -k expert_ffn \
-        2>&1 | tee $OUT/expert_ffn_tests.log | tail -3
+        tests/pallas_kernels/test_moe_route.py 2>&1 | tee $OUT/expert_ffn_tests.log | tail -3
       timeout ${EXPERT_FFN_BENCH_S:-150} python3 -m benchmarks.moe_decode_gemm \
         --shapes=k3_small_gate_up --out=$OUT/moe_decode_h200.json 2>&1 \
         | tee $OUT/moe_decode_ffn.log | grep -E "gate/up|ffn|Error"
-      for flag in ${EXPERT_FFN_RUNS:---expert_ffn=fused --expert_ffn=unfused --expert_ffn=fused}; do
-        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K $flag \
+      for flag in ${EXPERT_FFN_RUNS:---expert_ffn=fused,--moe_route=triton --expert_ffn=unfused --expert_ffn=fused}; do
+        timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K ${flag//,/ } \
           --out=$OUT/decode_expert_ffn.json 2>&1 | tee -a $OUT/decode_expert_ffn.log \
           | grep -E "tpot|Error"
       done

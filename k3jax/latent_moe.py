@@ -35,7 +35,7 @@ from pallas_kernels import expert_sort
 from pallas_kernels.expert_sort import xla as expert_sort_xla
 from pallas_kernels import moe_gate_up
 from pallas_kernels import mxfp4_matmul
-from pallas_kernels import top_k as top_k_op
+from pallas_kernels import moe_route
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BIAS_METHODS = ("quantile", "quantile_exact", "sign", "none")
@@ -98,7 +98,8 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
   experts (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. `return_cutoffs`
   appends QB's token cutoffs alpha [N] fp32, the (k+1)-th largest s + b (§2.3.3), from the
   same top-(k+1) as the selection (one top-k of [N, E] instead of two; needs k < E). The
-  top-k is `pallas_kernels.top_k` (on GPUs a Pallas kernel, in place of XLA's sort).
+  selection and weights are `pallas_kernels.moe_route.route` (its top-k
+  `pallas_kernels.top_k`: on GPUs a Pallas kernel, in place of XLA's sort).
   """
   if x.ndim != 2 or router_kernel.ndim != 2 or x.shape[1] != router_kernel.shape[0]:
     raise ValueError(f"x must be [N, d] and router_kernel [d, E], got {x.shape} and "
@@ -110,15 +111,9 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
   if not 1 <= top_k <= top:
     raise ValueError(f"top_k must be in [1, {top}]{' with return_cutoffs' * return_cutoffs}, "
                      f"got {top_k}")
-  scores = jax.nn.sigmoid(router_logits(x, router_kernel))
-  sel = jax.lax.stop_gradient(scores + bias.astype(jnp.float32))
-  picked, experts = top_k_op.top_k(sel, top_k + 1 if return_cutoffs else top_k)
-  experts = experts[:, :top_k].astype(jnp.int32)
-  weights = jnp.take_along_axis(scores, experts, axis=1)
-  if norm_topk_prob:
-    weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
-  out = (weights * routed_scaling_factor, experts, scores)
-  return out + (picked[:, top_k],) if return_cutoffs else out
+  return moe_route.route(router_logits(x, router_kernel), bias, top_k,
+                         scale=routed_scaling_factor, normalize=norm_topk_prob,
+                         cutoffs=return_cutoffs)
 
 
 def _split3(a: jax.Array) -> jax.Array:
@@ -663,8 +658,20 @@ class LatentMoE(nnx.Module):
         weights, experts, scores, cutoffs = route(
             xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
             self.norm_topk_prob, return_cutoffs=True)
-      if (cached and self.decode_experts == "gathered" and self.expert_format == "float"
-          and bsz * seq * self.top_k <= self.num_experts):
+      gathered = (cached and self.decode_experts == "gathered"
+                  and self.expert_format == "float" and bsz * seq * self.top_k <= self.num_experts)
+      logits = jax.ShapeDtypeStruct((bsz * seq, self.num_experts), jnp.float32)
+      if cached and not gathered and moe_route.plan(logits, self.top_k).impl == "triton":
+        # A decode step: routing and the sort in one kernel (the statistics above, unused
+        # there, are left to dead-code elimination).
+        with jax.named_scope("moe_routing"):
+          weights, _, order, inverse, group_sizes = moe_route.route_and_sort(
+              router_logits(xf, self.gate["kernel"][...]), bias, self.top_k,
+              scale=self.routed_scaling_factor, normalize=self.norm_topk_prob)
+        u = grouped_experts(h, weights, order, inverse, group_sizes, w1, w3, w2, self.beta1,
+                            self.beta2, self.ragged_dot, self.gate_up_impl, self.gate_up_train,
+                            qat=self.qat)
+      elif gathered:
         with jax.named_scope("moe_experts"):
           u = gathered_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
                                qat=self.qat)

@@ -10,6 +10,10 @@ import k3jax  # noqa: F401
 from k3jax import latent_moe as lm
 from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
+from pallas_kernels import moe_route
+from pallas_kernels import tiers
+from pallas_kernels.moe_route import api as moe_route_api
+from pallas_kernels.moe_route import triton as moe_route_triton
 
 B1, B2 = 4.0, 25.0
 
@@ -233,6 +237,26 @@ def test_module_takes_the_gathered_path_for_few_cached_tokens(monkeypatch):
     np.testing.assert_allclose(y, sorted_model(x, cached)[0], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="decode_experts"):
     small_moe(decode_experts="dense")
+
+
+def test_cached_calls_route_and_sort_in_one_kernel_where_it_plans(monkeypatch):
+  """Where `moe_route` plans its triton tier (as on a GPU with TRITON_IS_DEFAULT; here the
+  interpreter), cached calls route and sort through it, and give the default path's output;
+  uncached calls keep `route` and the sort."""
+  model = small_moe(routed_scaling_factor=1.7)
+  x = jax.random.normal(jax.random.key(3), (2, 3, 16))
+  want = {cached: model(x, cached)[0] for cached in (True, False)}
+  calls = []
+  real = moe_route_triton.route_and_sort
+  monkeypatch.setattr(moe_route_triton, "route_and_sort",
+                      lambda *a, **k: calls.append(k["interpret"]) or real(*a, **k))
+  plan = lambda logits, top_k, impl=None, interpret=False: tiers.Plan("triton", (), True)
+  monkeypatch.setattr(moe_route, "plan", plan)
+  monkeypatch.setattr(moe_route_api, "plan", plan)
+  np.testing.assert_allclose(model(x, True)[0], want[True], rtol=1e-6, atol=1e-6)
+  assert calls == [True]
+  np.testing.assert_array_equal(model(x, False)[0], want[False])
+  assert calls == [True]
 
 
 def test_pluggable_ragged_dot_is_used(uneven_case):

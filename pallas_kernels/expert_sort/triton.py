@@ -36,11 +36,12 @@ def supports(experts, num_experts: int, *, interpret: bool = False) -> str | Non
   return None
 
 
-def _kernel(experts_ref, order_ref, inverse_ref, counts_ref, *, m: int, e: int):
-  m_pad, e_pad = pl.next_power_of_2(m), pl.next_power_of_2(e)
-  p = jnp.arange(m_pad)
+def counting_sort(ex: jax.Array, m: int, e_pad: int) -> tuple[jax.Array, ...]:
+  """The module docstring's sort in a program's registers: ex [M_pad] expert ids of the copies
+  (copies p >= m carry e_pad) -> (order, inverse [M_pad], counts [E_pad]) int32; entries past
+  m (order, inverse) and past E (counts) are not meaningful."""
+  p = jnp.arange(ex.shape[0])
   cols = jnp.arange(e_pad)
-  ex = plgpu_triton.load(experts_ref.at[pl.ds(0, m_pad)], mask=p < m, other=e_pad)
   hit = (ex[:, None] == cols[None, :]).astype(jnp.int32)                     # [M, E]
   counts = jnp.sum(hit, axis=0)                                               # [E]
   start = jnp.sum(jnp.where(cols[:, None] < cols[None, :], counts[:, None], 0), axis=0)
@@ -49,9 +50,17 @@ def _kernel(experts_ref, order_ref, inverse_ref, counts_ref, *, m: int, e: int):
   inverse = first + jnp.sum(earlier.astype(jnp.int32), axis=1)
   order = jnp.sum(jnp.where((inverse[None, :] == p[:, None]) & (p[None, :] < m),
                             p[None, :], 0), axis=1)
+  return order, inverse, counts
+
+
+def _kernel(experts_ref, order_ref, inverse_ref, counts_ref, *, m: int, e: int):
+  m_pad, e_pad = pl.next_power_of_2(m), pl.next_power_of_2(e)
+  p = jnp.arange(m_pad)
+  ex = plgpu_triton.load(experts_ref.at[pl.ds(0, m_pad)], mask=p < m, other=e_pad)
+  order, inverse, counts = counting_sort(ex, m, e_pad)
   plgpu_triton.store(order_ref.at[pl.ds(0, m_pad)], order, mask=p < m)
   plgpu_triton.store(inverse_ref.at[pl.ds(0, m_pad)], inverse, mask=p < m)
-  plgpu_triton.store(counts_ref.at[pl.ds(0, e_pad)], counts, mask=cols < e)
+  plgpu_triton.store(counts_ref.at[pl.ds(0, e_pad)], counts, mask=jnp.arange(e_pad) < e)
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "interpret"))

@@ -24,7 +24,7 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16
 MAX_COLS = 1024          # E_pad * R values (keys and taken flags) live in registers
 BLOCK_ELEMENTS = 1024    # R * E_pad per program for the default R
 MAX_BLOCK_ROWS = 256
-_KEY_MIN = int(jnp.iinfo(jnp.int32).min)
+KEY_MIN = int(jnp.iinfo(jnp.int32).min)
 
 
 def is_gpu() -> bool:
@@ -69,7 +69,7 @@ def supports(x, k: int, *, interpret: bool = False) -> str | None:
   return None
 
 
-def _total_order_key(v: jax.Array) -> jax.Array:
+def total_order_key(v: jax.Array) -> jax.Array:
   """fp32 -> int32 whose signed order is IEEE totalOrder; the map is its own inverse on bits."""
   bits = jax.lax.bitcast_convert_type(v, jnp.int32)
   return bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -89,11 +89,11 @@ def _kernel(x_ref, values_ref, indices_ref, *, k: int, block_rows: int):
   slots = jnp.arange(k_pad)[None, :]                 # [1, k_pad]
   x = plgpu_triton.load(x_ref.at[pl.ds(first, block_rows), pl.ds(0, e_pad)],
                         mask=(rows < n) & (cols < e), other=-jnp.inf)
-  key = _total_order_key(x.astype(jnp.float32))      # [R, E_pad]
+  key = total_order_key(x.astype(jnp.float32))      # [R, E_pad]
 
   def pick(j, carry):
     taken, keys, indices = carry
-    m = jnp.max(jnp.where(taken, _KEY_MIN, key), axis=1, keepdims=True)
+    m = jnp.max(jnp.where(taken, KEY_MIN, key), axis=1, keepdims=True)
     idx = jnp.min(jnp.where(taken | (key != m), e_pad, cols), axis=1, keepdims=True)
     return (taken | (cols == idx), jnp.where(slots == j, m, keys),
             jnp.where(slots == j, idx, indices))
