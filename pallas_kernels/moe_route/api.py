@@ -25,7 +25,8 @@ from pallas_kernels.moe_route import xla
 
 IMPLS = ("xla", "triton")
 TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton}
-# Off until its GPU tests pass (benchmarks/decode.py --moe_route=triton turns it on for a run).
+# Off: its GPU tests pass on an H100 (2026-12-07), but k3_small's decode loop with it was no
+# faster (2.95 against 2.82-2.89 ms a token; benchmarks/decode.py --moe_route=triton).
 TRITON_IS_DEFAULT = False
 Plan = tiers.Plan
 

@@ -45,8 +45,8 @@ The MoE's routed experts whole on packed W1 / W3 / W2 (Eq. 11), for decoding:
 tiers "reference" (`mxfp4_gate_up`'s reference, the W2 product in fp32, the weighted sum of each
 token's copies) and "triton" (one launch for the gather, W1, W3, SiTU and W2, each program
 writing its hidden block's share of the W2 product; one XLA fusion sums the shares and the
-copies: `triton.expert_ffn`); impl=None: the reference until the kernel's GPU tests pass
-(`EXPERT_FFN_IS_DEFAULT`). Not differentiable.
+copies: `triton.expert_ffn`; its GPU tests pass on an H100, 2026-12-07); impl=None: the
+reference (`EXPERT_FFN_IS_DEFAULT` off: no faster in a decode loop). Not differentiable.
 
 Inference ops: differentiable with respect to x only (a custom VJP on every tier: d_x =
 d_out @ W through the reference's dequantization); the packed weights and scales are integer
@@ -313,7 +313,9 @@ def mxfp4_gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale:
 
 
 EXPERT_FFN_IMPLS = ("reference", "triton")
-# The Triton kernel joins the default on Hopper once its tests pass there.
+# Off: its GPU tests pass on an H100 (2026-12-07) and it is 1.05-1.08x the unfused calls at
+# k3_small's decode shapes, but k3_small's decode loop with it was no faster (2.94 against
+# 2.82-2.89 ms a token; BENCHMARKS, decode section). `benchmarks.decode --expert_ffn=fused`.
 EXPERT_FFN_IS_DEFAULT = False
 
 
