@@ -507,8 +507,9 @@ PY
       # the unfused calls at k3_small's decode shapes (moe_decode_gemm), then k3_small's decode
       # loop per EXPERT_FFN_RUNS (benchmarks.decode flags; "," joins the flags of one run).
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXPERT_FFN_TEST_S:-150} python3 -m pytest \
-        -q -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py -k expert_ffn \
-        tests/pallas_kernels/test_moe_route.py 2>&1 | tee $OUT/expert_ffn_tests.log | tail -3
+        -q -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py \
+        tests/pallas_kernels/test_moe_route.py -k "expert_ffn or moe_route" 2>&1 \
+        | tee $OUT/expert_ffn_tests.log | tail -3
       timeout ${EXPERT_FFN_BENCH_S:-150} python3 -m benchmarks.moe_decode_gemm \
         --shapes=k3_small_gate_up --out=$OUT/moe_decode_h200.json 2>&1 \
         | tee $OUT/moe_decode_ffn.log | grep -E "gate/up|ffn|Error"
