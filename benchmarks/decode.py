@@ -101,22 +101,27 @@ _SWAPPED_GMM = flags.DEFINE_bool(
     "swapped_gmm", False, "Run ragged_dot's calls with few rows per group (M <= 8 G) on the "
     "\"swapped\" Mosaic GPU kernel (sets pallas_kernels.ragged_dot.mosaic_gpu."
     "SWAPPED_IS_DEFAULT before the model is built; recorded as moe_kernels).")
-_EXPERT_SORT = flags.DEFINE_enum(
-    "expert_sort", "", ("", "xla", "triton"),
-    "The MoE's sort of copies by expert (\"\": the default, the Triton counting sort on a GPU; "
-    "sets pallas_kernels.expert_sort.api.TRITON_IS_DEFAULT; recorded as moe_kernels).")
-_EXPERT_FFN = flags.DEFINE_enum(
-    "expert_ffn", "", ("", "fused", "unfused"),
-    "Packed experts' FFN (\"\": the default; \"fused\" sets pallas_kernels.mxfp4_matmul.api."
-    "EXPERT_FFN_IS_DEFAULT: W1, W3, SiTU and W2 in one Triton launch; recorded as moe_kernels).")
-_MOE_ROUTE = flags.DEFINE_enum(
-    "moe_route", "", ("", "xla", "triton"),
-    "Decode steps' routing and sort (\"\": the default; sets pallas_kernels.moe_route.api."
-    "TRITON_IS_DEFAULT: one Triton kernel; recorded as moe_kernels).")
-_KDA_DECODE = flags.DEFINE_enum(
-    "kda_decode", "", ("", "xla", "triton"),
-    "The KDA layers' decode step (\"\": the default; sets pallas_kernels.kda_decode.api."
-    "TRITON_IS_DEFAULT; the tier that ran is recorded as kda_decode_tier).")
+# Tier switches: (flag, module, its default switch, the value that turns it on). Each flag's
+# "" keeps the default; another value sets the switch before the model is built. The MoE ones
+# are recorded in moe_kernels, kda_decode in kda_decode_tier.
+_SWITCHES = []
+
+
+def _switch(name: str, module, attr: str, on: str, off: str, help_text: str):
+  flag = flags.DEFINE_enum(name, "", ("", off, on), f"{help_text} (\"\": the default; sets "
+                           f"{module.__name__}.{attr} to the flag == {on!r}).")
+  _SWITCHES.append((flag, module, attr, on))
+  return flag
+
+
+_EXPERT_SORT = _switch("expert_sort", expert_sort_api, "TRITON_IS_DEFAULT", "triton", "xla",
+                       "The MoE's sort of copies by expert (the Triton counting sort on a GPU)")
+_EXPERT_FFN = _switch("expert_ffn", mxfp4_api, "EXPERT_FFN_IS_DEFAULT", "fused", "unfused",
+                      "Packed experts' FFN (fused: W1, W3, SiTU and W2 in one Triton launch)")
+_MOE_ROUTE = _switch("moe_route", moe_route_api, "TRITON_IS_DEFAULT", "triton", "xla",
+                     "Decode steps' routing and sort (triton: one Triton kernel)")
+_KDA_DECODE = _switch("kda_decode", kda_decode_api, "TRITON_IS_DEFAULT", "triton", "xla",
+                      "The KDA layers' decode step")
 _KDA_DECODE_CONFIG = flags.DEFINE_enum(
     "kda_decode_config", "", ("", *kda_decode_triton.CONFIGS),
     "The triton tier's tile and warps (\"\": its DEFAULT; else sets pallas_kernels.kda_decode."
@@ -415,9 +420,7 @@ def moe_kernels() -> str | None:
   """The MoE kernel choices of this run that differ from the defaults (None: the defaults)."""
   parts = ([f"gate_up_impl={_GATE_UP_IMPL.value}"] if _GATE_UP_IMPL.value else []) + (
       ["gmm swapped for M <= 8 G"] if _SWAPPED_GMM.value else []) + (
-      [f"expert_sort={_EXPERT_SORT.value}"] if _EXPERT_SORT.value else []) + (
-      [f"expert_ffn={_EXPERT_FFN.value}"] if _EXPERT_FFN.value else []) + (
-      [f"moe_route={_MOE_ROUTE.value}"] if _MOE_ROUTE.value else [])
+      [f"{f.name}={f.value}" for f in (_EXPERT_SORT, _EXPERT_FFN, _MOE_ROUTE) if f.value])
   return ", ".join(parts) or None
 
 
@@ -425,14 +428,9 @@ def main(argv):
   del argv
   if _SWAPPED_GMM.value:
     ragged_mosaic_gpu.SWAPPED_IS_DEFAULT = True
-  if _MOE_ROUTE.value:
-    moe_route_api.TRITON_IS_DEFAULT = _MOE_ROUTE.value == "triton"
-  if _EXPERT_FFN.value:
-    mxfp4_api.EXPERT_FFN_IS_DEFAULT = _EXPERT_FFN.value == "fused"
-  if _EXPERT_SORT.value:
-    expert_sort_api.TRITON_IS_DEFAULT = _EXPERT_SORT.value == "triton"
-  if _KDA_DECODE.value:
-    kda_decode_api.TRITON_IS_DEFAULT = _KDA_DECODE.value == "triton"
+  for flag, module, attr, on in _SWITCHES:
+    if flag.value:
+      setattr(module, attr, flag.value == on)
   if _KDA_DECODE_CONFIG.value:
     kda_decode_triton.DEFAULT = kda_decode_triton.CONFIGS[_KDA_DECODE_CONFIG.value]
   toy = _TOY.value
