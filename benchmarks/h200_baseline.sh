@@ -105,6 +105,10 @@
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
+#   FLAGSETS="|--xla_gpu_enable_triton_gemm=false" \
+#     bash benchmarks/h200_baseline.sh decode_flags       # ~1.5 min per set: k3_small's decode
+#                                                          # (B 16, 128k, packed experts) per XLA
+#                                                          # flag set, $OUT/decode_flags.json
 #   REMATS="none save_dots" bash benchmarks/h200_baseline.sh train_remat
 #                                                          # <= 7 min per choice: the k3_small step
 #                                                          # per model.remat choice (REMATS, default
@@ -322,6 +326,17 @@ PY
         XLA_FLAGS="$flags" timeout ${TRAIN_S:-400} python3 -m benchmarks.train_step \
           --config=experiments/configs/k3_small.py --config.train.global_batch_size=2 \
           ${TRAIN_ARGS:-} --out=$OUT/train_flags_$n.json 2>&1 | tee $OUT/train_flags_$n.log | tail -3
+      done
+      ;;
+    decode_flags)
+      # k3_small's decode loop (B 16, 128k, packed experts) once per XLA flag set (FLAGSETS:
+      # sets separated by '|', "" = none; records carry xla_flags), $OUT/decode_flags.json.
+      IFS='|' read -ra sets <<< "${FLAGSETS:-}"
+      for flags in "${sets[@]}"; do
+        echo "== XLA_FLAGS=$flags"
+        XLA_FLAGS="$flags" timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K \
+          ${DECODE_ARGS:-} --out=$OUT/decode_flags.json 2>&1 | tee -a $OUT/decode_flags.log \
+          | grep -E "tpot|Error"
       done
       ;;
     mxfp4)
@@ -590,7 +605,7 @@ PY
     *)
       echo "unknown section $section (ceilings, gpu_tests, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
         moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_triton, mxfp4_ncu, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
-        decode_kernels, expert_sort, kda_decode, decode_ab, kda_decode_tests, moe_decode_configs,
+        decode_kernels, decode_flags, expert_sort, kda_decode, expert_ffn, decode_ab, kda_decode_tests, moe_decode_configs,
         train_parts, train_trace)"; exit 2
       ;;
   esac
