@@ -92,7 +92,7 @@ _DECODE_ATTENTION_IMPL = flags.DEFINE_enum(
     "decode_attention_impl", "", ("",) + decode_attention.IMPLS,
     "kernels.decode_attention_impl of the MLA layers (\"\": the platform default).")
 _MOE_DECODE_EXPERTS = flags.DEFINE_enum(
-    "moe_decode_experts", "", ("", "sorted", "gathered"),
+    "moe_decode_experts", "", ("", *latent_moe.DECODE_EXPERTS),
     "kernels.moe_decode_experts (\"\": the config's).")
 _GATE_UP_IMPL = flags.DEFINE_enum(
     "gate_up_impl", "", ("", "xla", "triton"),

@@ -20,7 +20,7 @@ _CHOICES = {
     "model.moe.expert_parallel": ("auto", "off"),
     "model.moe.ep_all_to_all": ("auto", "ragged", "padded"),
     "model.moe.expert_format": ("float", "mxfp4"),
-    "kernels.moe_decode_experts": ("sorted", "gathered"),
+    "kernels.moe_decode_experts": ("sorted", "gathered", "all"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "save_dots", "save_mixer_out", "offload"),

@@ -181,11 +181,11 @@ def uneven_case():
   return arrs, jnp.asarray(experts)
 
 
-@pytest.mark.parametrize("path", [lm.routed_experts, lm.gathered_experts],
-                         ids=["sorted", "gathered"])
+@pytest.mark.parametrize("path", [lm.routed_experts, lm.gathered_experts, lm.all_experts],
+                         ids=["sorted", "gathered", "all"])
 def test_routed_paths_match_loop_reference(uneven_case, path):
-  """The sorted (training) and gathered (decode) paths against the loop over experts, values
-  and gradients; expert 0 takes 8 of the 20 copies, expert 4 none."""
+  """The sorted (training), gathered and all-experts (decode) paths against the loop over
+  experts, values and gradients; expert 0 takes 8 of the 20 copies, expert 4 none."""
   arrs, experts = uneven_case
   names = ("z", "weights", "w1", "w3", "w2")
 
@@ -237,6 +237,27 @@ def test_module_takes_the_gathered_path_for_few_cached_tokens(monkeypatch):
     np.testing.assert_allclose(y, sorted_model(x, cached)[0], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="decode_experts"):
     small_moe(decode_experts="dense")
+
+
+def test_module_takes_the_all_experts_path_for_cached_batches(monkeypatch):
+  """decode_experts="all": cached calls with N*k >= E and N <= ALL_EXPERTS_MAX_TOKENS only;
+  the sorted path's output (6 experts, k 2: from 3 tokens)."""
+  sorted_model = small_moe()
+  every_model = small_moe(decode_experts="all")
+  calls = []
+  real = lm.all_experts
+  monkeypatch.setattr(lm, "all_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+  monkeypatch.setattr(lm, "ALL_EXPERTS_MAX_TOKENS", 8)
+  for shape, cached, taken in (((1, 3, 16), True, True), ((4, 2, 16), True, True),
+                               ((1, 2, 16), True, False), ((3, 3, 16), True, False),
+                               ((1, 3, 16), False, False)):
+    x = jax.random.normal(jax.random.key(7), shape)
+    calls.clear()
+    y, aux = every_model(x, cached)
+    assert bool(calls) == taken, (shape, cached)
+    y_sorted, aux_sorted = sorted_model(x, cached)
+    np.testing.assert_allclose(y, y_sorted, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(aux["loads"], aux_sorted["loads"])
 
 
 def test_cached_calls_route_and_sort_in_one_kernel_where_it_plans(monkeypatch):

@@ -247,24 +247,26 @@ def test_prefill_then_decode_equals_full_forward(block):
                             for c in kda_caches)
 
 
-def test_decode_with_gathered_experts_equals_sorted():
-  """kernels.moe_decode_experts: the gathered decode path gives the sorted path's logits
-  (prefill of 5 tokens x 2 rows takes the sorted path, decode steps the gathered one)."""
+def test_decode_with_gathered_or_all_experts_equals_sorted():
+  """kernels.moe_decode_experts: the gathered and all-experts paths give the sorted path's
+  logits (a prefill of 5 tokens x 2 rows, then decode steps of 2 tokens: "gathered" takes the
+  steps, N*k <= E; "all", with k3_tiny's top-k raised to 4 of 8, the prefill and the steps)."""
   toks = jax.random.randint(jax.random.key(9), (2, 8), 0, 258)
   extend = nnx.jit(lambda m, tokens, cache: m.extend(tokens, cache))
-  outs = []
-  for choice in ("sorted", "gathered"):
-    cfg = _tiny(**{"kernels.moe_decode_experts": choice})
-    model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(3), kernels=cfg.kernels)
-    assert model.layers[1].block_sparse_moe.decode_experts == choice
-    cache = model.init_cache(2, 8)
-    logits, cache = extend(model, toks[:, :5], cache)
-    steps = [logits]
-    for t in range(5, 8):
-      logits, cache = extend(model, toks[:, t:t + 1], cache)
-      steps.append(logits)
-    outs.append(jnp.concatenate(steps, 1))
-  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+  for choice, top_k in (("gathered", 2), ("all", 4)):
+    outs = []
+    for decode in ("sorted", choice):
+      cfg = _tiny(**{"kernels.moe_decode_experts": decode, "model.moe.num_experts_per_tok": top_k})
+      model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(3), kernels=cfg.kernels)
+      assert model.layers[1].block_sparse_moe.decode_experts == decode
+      cache = model.init_cache(2, 8)
+      logits, cache = extend(model, toks[:, :5], cache)
+      steps = [logits]
+      for t in range(5, 8):
+        logits, cache = extend(model, toks[:, t:t + 1], cache)
+        steps.append(logits)
+      outs.append(jnp.concatenate(steps, 1))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5, err_msg=choice)
 
 
 def test_parameter_paths_follow_hf_names(tiny_model):

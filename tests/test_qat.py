@@ -259,6 +259,26 @@ def test_packed_experts_whole_ffn_kernel_matches_loop_oracle(monkeypatch):
     assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want)
 
 
+def test_packed_all_experts_path_matches_loop_oracle(monkeypatch):
+  """`all_experts` on packed experts (every expert on each of 6 tokens, weighted by 0 where
+  unselected) through the fused MXFP4 gate/up kernel (interpreted; it ran) and the unfused
+  packed path equals the fp64 loop over experts to bf16 rounding."""
+  z, weights, experts, packed, grid = packed_case(13, 6)
+  ran = []
+  kernel = mx_triton.gate_up
+  monkeypatch.setattr(mx_triton, "gate_up",
+                      lambda *a, **kw: ran.append(1) or kernel(*a, **kw))
+  args = (z, weights, experts, packed["w1"], packed["w3"], packed["w2"], B1, B2)
+  fused = lm.all_experts(*args, gate_up_impl="triton", interpret=True)
+  assert ran == [1] and fused.dtype == jnp.bfloat16
+  unfused = lm.all_experts(*args, gate_up_impl="xla")
+  want, _ = np_experts(np.asarray(z, np.float64), np.asarray(weights, np.float64),
+                       np.asarray(experts), grid, qat=False)
+  for got in (fused, unfused):
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want)
+
+
 def test_config_fields():
   cfg = config_lib.load(TINY, {"model.moe.qat": True, "model.moe.expert_format": "mxfp4"})
   assert cfg.model.moe.qat is True

@@ -85,8 +85,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # A KDA layer's decode step (pallas_kernels.kda_decode): "" the platform default, "xla",
   # "triton" (GPU), "mosaic_tpu" (TPU, by name only)
   kn.kda_decode_impl = ""
-  # Routed experts of prefill / decode calls with tokens x top-k <= experts: "sorted" (as in
-  # training) or "gathered" (each copy's expert weights gathered; no sort, no grouped kernel)
+  # Routed experts of prefill / decode calls: "sorted" (as in training), "gathered" (tokens x
+  # top-k <= experts: each copy's expert weights gathered; no sort, no grouped kernel) or "all"
+  # (tokens x top-k >= experts, tokens <= 64: every expert on every token, weighted by 0 where
+  # unselected; no sort, no permutation)
   kn.moe_decode_experts = "sorted"
   kn.xla_triton_gemm = False  # XLA's own GEMMs: cuBLAS (False) or its Triton GEMM fusions (True)
   # The step's Mosaic GPU kernels built on a thread pool while XLA compiles the step

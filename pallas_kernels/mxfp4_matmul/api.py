@@ -87,10 +87,12 @@ UNPACKED_MIN_ROWS_PER_GROUP = 128
 # One dense row (H200, 2026-12-06, 727e9f9): the Triton kernel's CUDA-core config with its K steps
 # unrolled ("fma_n4_w2_unroll", `triton.default_config`) takes 9.1 / 9.8 us at (K, N) = (3584,
 # 3072) / (3072, 3584) against the reference's 10.6 / 11.1 (and its own 16-row MMA config's 13.4
-# / 12.0); from 2 rows each row is its own pass over the weights.
+# / 12.0); from 2 rows each row is its own pass over the weights. Grouped, a program's MMA
+# row block holds 16 rows, so 9-16 rows per expert cost a program what 2-8 do (16 a group is
+# the MoE's `all_experts` decode path at B 16; not measured alone).
 TRITON_MIN_ROWS = 8
 TRITON_MAX_ROWS = 16
-TRITON_MAX_ROWS_PER_GROUP = 8
+TRITON_MAX_ROWS_PER_GROUP = 16
 UNPACKED_MAX_BYTES = 4 << 30
 
 

@@ -332,7 +332,7 @@ def test_gradient_with_respect_to_x():
 def test_hopper_defaults_follow_the_rows(monkeypatch):
   """On Hopper the default tier follows the rows: dense, the Triton kernel at one row, the
   reference from 2 to 7 rows, the Triton kernel from 8 to 16 and the unpacked tier above;
-  grouped, the Triton kernel up to 8 rows per expert (the Mosaic GPU kernel where it declines),
+  grouped, the Triton kernel up to 16 rows per expert (the Mosaic GPU kernel where it declines),
   the Mosaic GPU kernel below 128, unpacked from 128; never unpacked where the bf16 weights
   would exceed UNPACKED_MAX_BYTES."""
   monkeypatch.setattr(mosaic_gpu, "is_hopper", lambda: True)
@@ -343,8 +343,8 @@ def test_hopper_defaults_follow_the_rows(monkeypatch):
   assert default_impls(grouped=False, m=8) == ("triton", "reference")
   assert default_impls(grouped=False, m=16) == ("triton", "reference")
   assert default_impls(grouped=False, m=17) == ("unpacked", "reference")
-  assert default_impls(grouped=True, m=8 * 8, groups=8) == ("triton", "mosaic_gpu", "reference")
-  assert default_impls(grouped=True, m=8 * 8 + 1, groups=8) == ("mosaic_gpu", "reference")
+  assert default_impls(grouped=True, m=8 * 16, groups=8) == ("triton", "mosaic_gpu", "reference")
+  assert default_impls(grouped=True, m=8 * 16 + 1, groups=8) == ("mosaic_gpu", "reference")
   assert default_impls(grouped=True, m=8 * 127, groups=8) == ("mosaic_gpu", "reference")
   assert default_impls(grouped=True, m=8 * 128, groups=8) == ("unpacked", "reference")
   # A bf16 copy over UNPACKED_MAX_BYTES (K3's 896 experts of one matrix) stays on the kernel.
