@@ -105,10 +105,11 @@
 #   FLAGSETS="|--xla_gpu_enable_latency_hiding_scheduler=false" \
 #     bash benchmarks/h200_baseline.sh train_flags        # ~3 min per set: the k3_small step per
 #                                                          # XLA flag set, $OUT/train_flags_N.json
-#   FLAGSETS="|--xla_gpu_enable_triton_gemm=false" \
-#     bash benchmarks/h200_baseline.sh decode_flags       # ~1.5 min per set: k3_small's decode
-#                                                          # (B 16, 128k, packed experts) per XLA
-#                                                          # flag set, $OUT/decode_flags.json
+#   FLAGSETS="|--xla_gpu_enable_triton_gemm=false|;--moe_decode_experts=all" \
+#     bash benchmarks/h200_baseline.sh decode_flags       # ~1.5 min a run: k3_small's decode
+#                                                          # (B 16, 128k, packed experts) per run
+#                                                          # of "XLA flags;decode flags",
+#                                                          # $OUT/decode_flags.json
 #   REMATS="none save_dots" bash benchmarks/h200_baseline.sh train_remat
 #                                                          # <= 7 min per choice: the k3_small step
 #                                                          # per model.remat choice (REMATS, default
@@ -329,14 +330,16 @@ PY
       done
       ;;
     decode_flags)
-      # k3_small's decode loop (B 16, 128k, packed experts) once per XLA flag set (FLAGSETS:
-      # sets separated by '|', "" = none; records carry xla_flags), $OUT/decode_flags.json.
+      # k3_small's decode loop (B 16, 128k, packed experts) once per run of FLAGSETS: runs
+      # separated by '|', each "XLA flags;benchmarks.decode flags" (either part may be empty;
+      # records carry xla_flags), $OUT/decode_flags.json.
       IFS='|' read -ra sets <<< "${FLAGSETS:-}"
-      for flags in "${sets[@]}"; do
-        echo "== XLA_FLAGS=$flags"
+      for run in "${sets[@]}"; do
+        IFS=';' read -r flags args <<< "$run"
+        echo "== XLA_FLAGS=$flags $args"
         XLA_FLAGS="$flags" timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K \
-          ${DECODE_ARGS:-} --out=$OUT/decode_flags.json 2>&1 | tee -a $OUT/decode_flags.log \
-          | grep -E "tpot|Error"
+          ${DECODE_ARGS:-} $args --out=$OUT/decode_flags.json 2>&1 \
+          | tee -a $OUT/decode_flags.log | grep -E "tpot|Error"
       done
       ;;
     mxfp4)
