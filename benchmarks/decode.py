@@ -125,7 +125,7 @@ _KDA_DECODE = _switch("kda_decode", kda_decode_api, "TRITON_IS_DEFAULT", "triton
 _KDA_DECODE_CONFIG = flags.DEFINE_enum(
     "kda_decode_config", "", ("", *kda_decode_triton.CONFIGS),
     "The triton tier's tile and warps (\"\": its DEFAULT; else sets pallas_kernels.kda_decode."
-    "triton.DEFAULT to that entry of CONFIGS, recorded as kda_decode_tier \"triton:<name>\").")
+    "triton.DEFAULT to that entry of CONFIGS; kda_decode_tier records \"triton:<name>\").")
 _EXPERT_FORMAT = flags.DEFINE_enum(
     "expert_format", "float", latent_moe.EXPERT_FORMATS,
     "model.moe.expert_format: \"mxfp4\" holds the routed experts packed (random E2M1 codes, "
@@ -244,8 +244,8 @@ def kda_decode_tier(model: K3ForCausalLM, batch: int) -> str:
   tier = kda_decode.plan(sds((batch, kda_decode.proj_width(h, k, r)), a.dtype),
                          sds((batch, width - 1, 3, h * k), a.dtype),
                          sds((r, h, k), a.dtype), impl=a.decode_impl or None).impl
-  if tier == "triton" and _KDA_DECODE_CONFIG.value:
-    tier += ":" + _KDA_DECODE_CONFIG.value
+  if tier == "triton":
+    tier += ":" + kda_decode_triton.config_name(kda_decode_triton.DEFAULT)
   return tier
 
 

@@ -511,9 +511,9 @@ PY
         -q -p no:cacheprovider tests/pallas_kernels/test_kda_decode.py 2>&1 \
         | tee $OUT/kda_decode_tests.log | tail -3
       timeout ${KDA_DECODE_BENCH_S:-150} python3 -m benchmarks.kda_decode \
-        --triton_configs=${KDA_DECODE_CONFIGS:-c64_w4,c32_w4,c32_w2} \
+        --triton_configs=${KDA_DECODE_CONFIGS:-tile_w8,c32_w4,c32_w2} \
         --out=$OUT/kda_decode_h200.json 2>&1 | tee $OUT/kda_decode_bench.log | grep -E "us |Error"
-      for flag in ${KDA_DECODE_RUNS:---kda_decode=triton --kda_decode_config=c32_w4 --kda_decode=xla}; do
+      for flag in ${KDA_DECODE_RUNS:---kda_decode=triton --kda_decode_config=tile_w8 --kda_decode=xla}; do
         timeout ${DECODE_AB_S:-100} python3 -m benchmarks.decode $B16_128K ${flag//|/} \
           --out=$OUT/decode_kda_decode.json 2>&1 | tee -a $OUT/decode_kda_decode.log \
           | grep -E "tpot|Error"

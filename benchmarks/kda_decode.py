@@ -31,7 +31,7 @@ _SHAPES = flags.DEFINE_list("shapes", ["16x8", "1x8", "16x96", "1x96"],
                             "BxH (K = R = 128, conv width 4): k3_small's 8 heads, K3's 96.")
 _TRITON_CONFIGS = flags.DEFINE_list(
     "triton_configs", [], "Entries of pallas_kernels.kda_decode.triton.CONFIGS to time beside "
-    "the tiers' defaults (rows \"triton:<name>\"), e.g. c32_w4,c64_w4.")
+    "the tiers' defaults (rows \"triton:<name>\", the default's among them), e.g. tile_w8.")
 KEY_FIELDS = ("op", "impl", "shape", "device")
 K, R, W, LB, EPS = 128, 128, 4, -5.0, 1e-5
 COPIES = 3
@@ -124,7 +124,8 @@ def main(argv):
     x = make_inputs(b, h, seed=b * 1000 + h)
     floor_us = floor_bytes(b, h) / copy / 1e6
     results = {"fla": run_fla(x, b, h)}
-    for impl in ("triton", "xla", *(f"triton:{c}" for c in _TRITON_CONFIGS.value)):
+    default = "triton:" + kda_decode_triton.config_name(kda_decode_triton.DEFAULT)
+    for impl in (default, "xla", *(f"triton:{c}" for c in _TRITON_CONFIGS.value)):
       results[impl] = run_ours(x, impl)
     ref = results["fla"][1]
     for impl, (us, o) in results.items():

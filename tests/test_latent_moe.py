@@ -240,17 +240,17 @@ def test_module_takes_the_gathered_path_for_few_cached_tokens(monkeypatch):
 
 
 def test_module_takes_the_all_experts_path_for_cached_batches(monkeypatch):
-  """decode_experts="all": cached calls with N*k >= E and N <= ALL_EXPERTS_MAX_TOKENS only;
-  the sorted path's output (6 experts, k 2: from 3 tokens)."""
+  """decode_experts="all": cached calls with N*k >= 2E and N <= ALL_EXPERTS_MAX_TOKENS only;
+  the sorted path's output (6 experts, k 2: from 6 tokens)."""
   sorted_model = small_moe()
   every_model = small_moe(decode_experts="all")
   calls = []
   real = lm.all_experts
   monkeypatch.setattr(lm, "all_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
   monkeypatch.setattr(lm, "ALL_EXPERTS_MAX_TOKENS", 8)
-  for shape, cached, taken in (((1, 3, 16), True, True), ((4, 2, 16), True, True),
-                               ((1, 2, 16), True, False), ((3, 3, 16), True, False),
-                               ((1, 3, 16), False, False)):
+  for shape, cached, taken in (((1, 6, 16), True, True), ((2, 4, 16), True, True),
+                               ((1, 5, 16), True, False), ((3, 3, 16), True, False),
+                               ((1, 6, 16), False, False)):
     x = jax.random.normal(jax.random.key(7), shape)
     calls.clear()
     y, aux = every_model(x, cached)

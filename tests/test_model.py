@@ -249,9 +249,10 @@ def test_prefill_then_decode_equals_full_forward(block):
 
 def test_decode_with_gathered_or_all_experts_equals_sorted():
   """kernels.moe_decode_experts: the gathered and all-experts paths give the sorted path's
-  logits (a prefill of 5 tokens x 2 rows, then decode steps of 2 tokens: "gathered" takes the
-  steps, N*k <= E; "all", with k3_tiny's top-k raised to 4 of 8, the prefill and the steps)."""
-  toks = jax.random.randint(jax.random.key(9), (2, 8), 0, 258)
+  logits (a prefill of 5 tokens x 4 rows, then decode steps of 4 tokens: "gathered" takes the
+  steps, N*k <= E; "all", with k3_tiny's top-k raised to 4 of 8, the prefill and the steps,
+  N*k >= 2E)."""
+  toks = jax.random.randint(jax.random.key(9), (4, 8), 0, 258)
   extend = nnx.jit(lambda m, tokens, cache: m.extend(tokens, cache))
   for choice, top_k in (("gathered", 2), ("all", 4)):
     outs = []
@@ -259,7 +260,7 @@ def test_decode_with_gathered_or_all_experts_equals_sorted():
       cfg = _tiny(**{"kernels.moe_decode_experts": decode, "model.moe.num_experts_per_tok": top_k})
       model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(3), kernels=cfg.kernels)
       assert model.layers[1].block_sparse_moe.decode_experts == decode
-      cache = model.init_cache(2, 8)
+      cache = model.init_cache(4, 8)
       logits, cache = extend(model, toks[:, :5], cache)
       steps = [logits]
       for t in range(5, 8):

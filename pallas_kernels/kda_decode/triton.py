@@ -12,10 +12,12 @@ values before any is overwritten. Splitting a head's columns over programs (as f
 fused_recurrent_kda does) would race there: every program reads all of the head's q and k
 tail channels.
 `Config` picks the kernel: block None (or >= K) `_tile_kernel`, the whole [K, K] state at once
-(8 warps; 162-178 registers a thread on sm_90a at K 128: one program an SM), the default and
-the kernel whose GPU tests passed; block < K `_column_kernel`, the state in [K, block] column
-blocks (f_a f_b in [block, K] slices of f_b; block 32 at 4 warps: 167 registers, three programs
-an SM, for K3's B 16 x 96 heads = 1536 programs), candidates in `CONFIGS`. At k3_small's decode
+(8 warps; 162-178 registers a thread on sm_90a at K 128: one program an SM); block < K
+`_column_kernel`, the state in [K, block] column blocks (f_a f_b in [block, K] slices of f_b;
+block 32 at 4 warps: 167 registers, three programs an SM, for K3's B 16 x 96 heads = 1536
+programs). Every entry of `CONFIGS` passes the GPU tests (H100, 2026-12-07); the default,
+"c64_w4", was the fastest at every measured shape there (B 1 and 16 x H 8 and 96: 0.96-0.84x
+the whole tile's time; `benchmarks/kda_decode.py`, BENCHMARKS decode section). At k3_small's decode
 (B 16, H 8, K 128) it is one kernel where the XLA form of the same step takes six (gate
 product, gate and operand fusion, conv tail update and its copy, recurrence, output norm).
 """
@@ -43,11 +45,15 @@ class Config:
   num_warps: int = 8
 
 
-# Candidates for the benchmark sweep (`benchmarks/kda_decode.py --triton_configs`); the column
-# configs are interpreter-tested and compiled offline for sm_90a, not yet run on a GPU.
+# The benchmark sweep's candidates (`benchmarks/kda_decode.py --triton_configs`).
 CONFIGS = {"tile_w8": Config(), "c64_w4": Config(block=64, num_warps=4),
            "c32_w4": Config(block=32, num_warps=4), "c32_w2": Config(block=32, num_warps=2)}
-DEFAULT = CONFIGS["tile_w8"]
+DEFAULT = CONFIGS["c64_w4"]
+
+
+def config_name(cfg: Config) -> str:
+  """cfg's name in CONFIGS, else its repr."""
+  return next((name for name, c in CONFIGS.items() if c == cfg), repr(cfg))
 
 
 def is_gpu() -> bool:
