@@ -70,6 +70,7 @@ class KDA(nnx.Module):
     self.num_heads, self.head_dim, self.eps = h, d_h, eps
     self.gate_kind, self.lower_bound, self.dtype, self.impl = gate, gate_lower_bound, dtype, impl
     self.decode_impl = decode_impl
+    self.prepared_decode_weights = nnx.data(None)   # `prepare_decode`'s, in a decode trace
     lin = params.fan_in_init((0,))
     proj = lambda shape, axes, init=lin: nnx.Dict(
         kernel=params.param(rngs, init, shape, axes, param_dtype))
@@ -190,7 +191,7 @@ class KDA(nnx.Module):
     h, d_h, dt = self.num_heads, self.head_dim, self.dtype
     w = lambda p: p["kernel"][...].astype(dt)
     x = x[:, 0].astype(dt)
-    w_in, conv_weight = getattr(self, "prepared_decode_weights", None) or self.decode_weights()
+    w_in, conv_weight = self.prepared_decode_weights or self.decode_weights()
     proj = x @ w_in
     if not self.use_full_rank_gate:
       z = (x @ w(self.g_a_proj)) @ w(self.g_b_proj).reshape(d_h, h * d_h)

@@ -629,6 +629,7 @@ class LatentMoE(nnx.Module):
     self.ep_all_to_all = ep_all_to_all
     self.qat, self.expert_format, self.decode_experts = qat, expert_format, decode_experts
     self.dtype = dtype
+    self.prepared_decode_weights = nnx.data(None)   # `prepare_decode`'s, in a decode trace
     self.use_latent = latent_size not in (0, dim)
     lat = latent_size if self.use_latent else dim
     lat_axis = "latent" if self.use_latent else "embed"
@@ -685,12 +686,20 @@ class LatentMoE(nnx.Module):
     bsz, seq, dim = x.shape
     xf = x.reshape(bsz * seq, dim)
     bias = self.gate["e_score_correction_bias"][...]
+    ep = expert_parallel.enabled(self.expert_parallel, jax.sharding.get_abstract_mesh())
+    # `prepare_decode`'s merged products: cached calls on bf16 inputs (the router's logits of
+    # other inputs are fp32 products of x itself)
+    prepared = (self.prepared_decode_weights
+                if cached and not ep and x.dtype == jnp.bfloat16 else None)
     h = xf.astype(self.dtype)
-    if self.use_latent:
+    if prepared is not None:
+      with jax.named_scope("moe_latent"):
+        h, logits, shared_in = self._decode_inputs(xf, prepared[0])
+    elif self.use_latent:
       with jax.named_scope("moe_latent"):
         h = h @ self.routed_expert_down_proj["kernel"][...].astype(self.dtype)
     w1, w3, w2 = (self.expert_weight(w) for w in EXPERT_WEIGHTS)
-    if expert_parallel.enabled(self.expert_parallel, jax.sharding.get_abstract_mesh()):
+    if ep:
       u, aux = expert_parallel.routed_moe(
           x, h.reshape(bsz, seq, -1), self.gate["kernel"][...], bias, w1, w3, w2,
           top_k=self.top_k, routed_scaling_factor=self.routed_scaling_factor,
@@ -704,15 +713,16 @@ class LatentMoE(nnx.Module):
         aux["scores"] = aux["scores"].reshape(bsz * seq, -1)
     else:
       with jax.named_scope("moe_routing"):
-        weights, experts, scores, cutoffs = route(
-            xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
-            self.norm_topk_prob, return_cutoffs=True)
+        if prepared is None:
+          logits = router_logits(xf, self.gate["kernel"][...])
+        weights, experts, scores, cutoffs = moe_route.route(
+            logits, bias, self.top_k, scale=self.routed_scaling_factor,
+            normalize=self.norm_topk_prob, cutoffs=True)
       copies = bsz * seq * self.top_k
       gathered = (cached and self.decode_experts == "gathered"
                   and self.expert_format == "float" and copies <= self.num_experts)
       every = (cached and self.decode_experts == "all" and copies >= 2 * self.num_experts
                and bsz * seq <= ALL_EXPERTS_MAX_TOKENS)
-      logits = jax.ShapeDtypeStruct((bsz * seq, self.num_experts), jnp.float32)
       if every:
         u = all_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
                         self.ragged_dot, self.gate_up_impl, qat=self.qat)
@@ -721,8 +731,8 @@ class LatentMoE(nnx.Module):
         # there, are left to dead-code elimination).
         with jax.named_scope("moe_routing"):
           weights, _, order, inverse, group_sizes = moe_route.route_and_sort(
-              router_logits(xf, self.gate["kernel"][...]), bias, self.top_k,
-              scale=self.routed_scaling_factor, normalize=self.norm_topk_prob)
+              logits, bias, self.top_k, scale=self.routed_scaling_factor,
+              normalize=self.norm_topk_prob)
         u = grouped_experts(h, weights, order, inverse, group_sizes, w1, w3, w2, self.beta1,
                             self.beta2, self.ragged_dot, self.gate_up_impl, self.gate_up_train,
                             qat=self.qat)
@@ -737,15 +747,57 @@ class LatentMoE(nnx.Module):
         aux = routing_stats(scores, experts, bias, cutoffs, self.top_k, self.qb_num_bins)
       if self.qb_keep_scores:
         aux["scores"] = jax.lax.stop_gradient(scores)
-    if self.use_latent:
+    if prepared is not None:
       with jax.named_scope("moe_latent"):
-        u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
-            self.dtype)
-    if self.has_shared:
-      with jax.named_scope("moe_shared"):
-        u = u + self.shared_experts(xf)
+        hs = situ_lib.situ(*shared_in, self.beta1, self.beta2)
+        u = jnp.concatenate([self.routed_expert_norm(u).astype(self.dtype), hs], axis=1)
+        u = jnp.dot(u, prepared[1], preferred_element_type=jnp.float32).astype(self.dtype)
+    else:
+      if self.use_latent:
+        with jax.named_scope("moe_latent"):
+          u = self.routed_expert_norm(u) @ self.routed_expert_up_proj["kernel"][...].astype(
+              self.dtype)
+      if self.has_shared:
+        with jax.named_scope("moe_shared"):
+          u = u + self.shared_experts(xf)
     aux["num_tokens"] = jnp.asarray(bsz * seq, jnp.int32)
     return u.reshape(bsz, seq, dim), aux
+
+  def decode_weights(self) -> tuple[jax.Array, jax.Array] | None:
+    """(W_in, W_out) in bf16 for a cached call's two dense products, or None where the layer
+    has no latent projection or shared experts or computes in another dtype. W_in [d, l + pE +
+    2S] puts every product of the layer's input side by side: W_down, the router kernel (p = 1
+    part for a bf16 kernel, else its three bf16 parts, `router_logits`), the shared experts'
+    gate and up; W_out [l + S, d] stacks the two products that write its output, W_up over the
+    shared experts' down (their sum in one fp32 accumulation, then rounded once)."""
+    if not (self.use_latent and self.has_shared and self.dtype == jnp.bfloat16):
+      return None
+    w = lambda p: p["kernel"][...].astype(self.dtype)
+    kernel = self.gate["kernel"][...]
+    router = [kernel] if kernel.dtype == jnp.bfloat16 else list(_split3(kernel))
+    shared = self.shared_experts
+    w_in = jnp.concatenate([w(self.routed_expert_down_proj), *router, w(shared.gate_proj),
+                            w(shared.up_proj)], axis=1)
+    return w_in, jnp.concatenate([w(self.routed_expert_up_proj), w(shared.down_proj)], axis=0)
+
+  def prepare_decode(self) -> None:
+    """Computes `decode_weights` once for the cached calls that follow in the same trace (a
+    decode loop calls it before its while loop: two GEMMs a layer in place of five)."""
+    self.prepared_decode_weights = self.decode_weights()
+
+  def _decode_inputs(self, xf: jax.Array, w_in: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """xf [N, d] through W_in (`decode_weights`): z [N, l] bf16, the router logits [N, E] fp32
+    (as `router_logits` forms them) and the shared experts' (gate, up) [N, S] bf16."""
+    lat = self.routed_expert_down_proj["kernel"].shape[1]
+    num_e = self.num_experts
+    parts = (w_in.shape[1] - lat - 2 * self.shared_experts.gate_proj["kernel"].shape[1]) // num_e
+    proj = jnp.dot(xf.astype(self.dtype), w_in, preferred_element_type=jnp.float32)
+    logits = proj[:, lat:lat + parts * num_e].reshape(-1, parts, num_e)
+    logits = sum(logits[:, i] for i in reversed(range(parts)))
+    gate, up = jnp.split(proj[:, lat + parts * num_e:], 2, axis=1)
+    bf = lambda a: a.astype(self.dtype)
+    return bf(proj[:, :lat]), logits, (bf(gate), bf(up))
 
   def expert_weight(self, name: str) -> ExpertWeight:
     """Routed expert weight `name` (w1, w3 or w2) as the experts use it: a `PackedWeight`, or

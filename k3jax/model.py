@@ -478,10 +478,13 @@ class K3ForCausalLM(nnx.Module):
             "layers": [layer.init_cache(batch, max_len) for layer in self.layers]}
 
   def prepare_decode(self) -> None:
-    """Each KDA layer's `prepare_decode`: call once before a decode loop, in its trace."""
+    """Each KDA layer's and MoE's `prepare_decode`: call once before a decode loop, in its
+    trace."""
     for layer in self.layers:
       if layer.kind == "kda":
         layer.self_attn.prepare_decode()
+      if layer.is_moe:
+        layer.block_sparse_moe.prepare_decode()
 
   def extend(self, tokens: jax.Array, cache: dict, lengths: jax.Array | None = None
              ) -> tuple[jax.Array, dict]:

@@ -260,6 +260,34 @@ def test_module_takes_the_all_experts_path_for_cached_batches(monkeypatch):
     np.testing.assert_array_equal(aux["loads"], aux_sorted["loads"])
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32])
+def test_prepared_decode_weights_give_the_unmerged_products(param_dtype):
+  """`prepare_decode`: a cached call on bf16 inputs runs two dense products (W_in, W_out) in
+  place of five; the router's logits are those of `router_logits` (bf16 kernel: one part; fp32:
+  its three bf16 parts), so the routing is the same, and the output is the unmerged one's to
+  bf16 rounding (one rounding of the summed output products instead of two and an add).
+  Uncached calls, and fp32 layers (no merged weights), keep the unmerged path."""
+  layer = small_moe(dtype=jnp.bfloat16, param_dtype=param_dtype)
+  x = jax.random.normal(jax.random.key(3), (2, 3, 16)).astype(jnp.bfloat16)
+  y, aux = layer(x, True)
+  w_in, w_out = layer.decode_weights()
+  parts = 1 if param_dtype == jnp.bfloat16 else 3
+  assert w_in.shape == (16, 8 + parts * 6 + 2 * 24) and w_out.shape == (8 + 24, 16)
+  assert w_in.dtype == w_out.dtype == jnp.bfloat16
+  xf = x.reshape(6, 16)
+  _, logits, _ = layer._decode_inputs(xf, w_in)
+  np.testing.assert_array_equal(logits, lm.router_logits(xf, layer.gate["kernel"][...]))
+  layer.prepare_decode()
+  y_prepared, aux_prepared = layer(x, True)
+  np.testing.assert_array_equal(aux_prepared["loads"], aux["loads"])
+  np.testing.assert_allclose(np.asarray(y_prepared, np.float32), np.asarray(y, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  assert not np.array_equal(y_prepared, y)       # the merged products ran
+  np.testing.assert_array_equal(layer(x, False)[0], small_moe(
+      dtype=jnp.bfloat16, param_dtype=param_dtype)(x, False)[0])
+  assert small_moe().decode_weights() is None    # fp32 compute: nothing to merge
+
+
 def test_cached_calls_route_and_sort_in_one_kernel_where_it_plans(monkeypatch):
   """Where `moe_route` plans its triton tier (as on a GPU with TRITON_IS_DEFAULT; here the
   interpreter), cached calls route and sort through it, and give the default path's output;
