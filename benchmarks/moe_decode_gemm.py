@@ -2,7 +2,8 @@ r"""The routed experts' grouped products at decoding shapes: B tokens x top-k co
 experts, a few rows per expert (`pallas_kernels.ragged_dot`, bf16).
 
 Shapes (G, K, N; B, top-k): k3_small's gate/up (64, 512, 1024) and down (64, 512, 512) at
-B 1 and 16 with top-8; K3's gate/up (3584 -> 2 x 3072) and down (3072 -> 3584) with top-16 at
+B 1 and 16 with top-8, and with top-64 (the all-experts decode path's B rows on every expert:
+shapes "..._all"); K3's gate/up (3584 -> 2 x 3072) and down (3072 -> 3584) with top-16 at
 B 1 and 16, G = the experts the copies can touch (B x 16, not all 896: the bf16 weights of 896
 would not fit beside their copies). Group sizes from random routing: each token takes top-k
 distinct experts uniformly (seeded).
@@ -62,7 +63,10 @@ _TOY = flags.DEFINE_bool("toy", False, "Small shapes, one call each, the kernels
                          "GPU interpreter (CPU), wall-clock time.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Names of SHAPES to run (default: all).")
 # name -> (G, K, N, top_k)
+# The "_all" shapes are k3_small's all-experts decode path (`latent_moe.all_experts`): every
+# token's copy on every expert (top-k = G), B rows a group.
 SHAPES = {"k3_small_gate_up": (64, 512, 1024, 8), "k3_small_down": (64, 512, 512, 8),
+          "k3_small_gate_up_all": (64, 512, 1024, 64), "k3_small_down_all": (64, 512, 512, 64),
           "k3_gate_up": (None, 3584, 6144, 16), "k3_down": (None, 3072, 3584, 16)}
 BATCHES = (1, 16)
 TOY_SHAPES = {"toy_gate_up": (16, 128, 256, 4)}   # W1 | W3: two packed calls
