@@ -472,7 +472,7 @@ PY
       all=n32_k256_ptx,n16_k512,n32_k512,n64_k512,n64_k256_w8,n128_k256_w8
       timeout ${MOE_DECODE_CONFIGS_S:-300} python3 -m benchmarks.moe_decode_gemm \
         --shapes=${MOE_DECODE_SHAPES:-k3_small_gate_up_all,k3_small_down_all} \
-        --grouped_configs=$all,swap64_k256,swap128_k256_w8 \
+        --grouped_configs=$all,swap64_k256,swap128_k256_w8,swap64_fp8_k256 \
         --gate_up_configs=$all --out=$OUT/moe_decode_h200.json 2>&1 \
         | tee $OUT/moe_decode_configs.log | grep -E "mxfp4|gate/up|Error" | cut -c1-100
       ;;

@@ -90,6 +90,9 @@ DECODE_CONFIGS = {
     "n128_k256_w8": _Config(block_n=128, block_k=256, num_warps=8, dequant="ptx"),
     "swap64_k256": _Config(block_n=64, block_k=256, swap=True, dequant="ptx"),
     "swap128_k256_w8": _Config(block_n=128, block_k=256, num_warps=8, swap=True, dequant="ptx"),
+    # MXFP8 x on the fp8 MMA (fewer instructions a weight; slower at K3's shapes, H100,
+    # 2026-12-06): the all-experts shapes' 1024 weight-row blocks of 64 fill the GPU.
+    "swap64_fp8_k256": _Config(block_n=64, block_k=256, swap=True, dequant="ptx", act="mxfp8"),
 }
 _GROUPED_CONFIGS = flags.DEFINE_list(
     "grouped_configs", [], f"DECODE_CONFIGS for the packed grouped rows: {sorted(DECODE_CONFIGS)}")
