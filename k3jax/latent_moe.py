@@ -89,8 +89,8 @@ def expert_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
 
 
 def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
-          routed_scaling_factor: float, norm_topk_prob: bool, *, return_cutoffs: bool = False
-          ) -> tuple[jax.Array, ...]:
+          routed_scaling_factor: float, norm_topk_prob: bool, *, return_cutoffs: bool = False,
+          logits: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """Sigmoid top-k router with a selection-only bias (Eq. 13).
 
   x [N, d], router_kernel [d, E], bias [E] -> (weights [N, k] fp32, experts [N, k] int32,
@@ -99,7 +99,9 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
   appends QB's token cutoffs alpha [N] fp32, the (k+1)-th largest s + b (§2.3.3), from the
   same top-(k+1) as the selection (one top-k of [N, E] instead of two; needs k < E). The
   selection and weights are `pallas_kernels.moe_route.route` (its top-k
-  `pallas_kernels.top_k`: on GPUs a Pallas kernel, in place of XLA's sort).
+  `pallas_kernels.top_k`: on GPUs a Pallas kernel, in place of XLA's sort). `logits`: x's
+  router logits [N, E] fp32 where the caller formed them (`LatentMoE.prepare_decode`'s merged
+  product), else `router_logits(x, router_kernel)`.
   """
   if x.ndim != 2 or router_kernel.ndim != 2 or x.shape[1] != router_kernel.shape[0]:
     raise ValueError(f"x must be [N, d] and router_kernel [d, E], got {x.shape} and "
@@ -111,9 +113,10 @@ def route(x: jax.Array, router_kernel: jax.Array, bias: jax.Array, top_k: int,
   if not 1 <= top_k <= top:
     raise ValueError(f"top_k must be in [1, {top}]{' with return_cutoffs' * return_cutoffs}, "
                      f"got {top_k}")
-  return moe_route.route(router_logits(x, router_kernel), bias, top_k,
-                         scale=routed_scaling_factor, normalize=norm_topk_prob,
-                         cutoffs=return_cutoffs)
+  if logits is None:
+    logits = router_logits(x, router_kernel)
+  return moe_route.route(logits, bias, top_k, scale=routed_scaling_factor,
+                         normalize=norm_topk_prob, cutoffs=return_cutoffs)
 
 
 def _split3(a: jax.Array) -> jax.Array:
@@ -715,9 +718,9 @@ class LatentMoE(nnx.Module):
       with jax.named_scope("moe_routing"):
         if prepared is None:
           logits = router_logits(xf, self.gate["kernel"][...])
-        weights, experts, scores, cutoffs = moe_route.route(
-            logits, bias, self.top_k, scale=self.routed_scaling_factor,
-            normalize=self.norm_topk_prob, cutoffs=True)
+        weights, experts, scores, cutoffs = route(
+            xf, self.gate["kernel"][...], bias, self.top_k, self.routed_scaling_factor,
+            self.norm_topk_prob, return_cutoffs=True, logits=logits)
       copies = bsz * seq * self.top_k
       gathered = (cached and self.decode_experts == "gathered"
                   and self.expert_format == "float" and copies <= self.num_experts)

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from k3jax import attn_res, config, kda, situ
+from k3jax.latent_moe import LatentMoE
 from k3jax.model import K3ForCausalLM
 
 TINY = "experiments/configs/k3_tiny.py"
@@ -268,6 +269,31 @@ def test_decode_with_gathered_or_all_experts_equals_sorted():
         steps.append(logits)
       outs.append(jnp.concatenate(steps, 1))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5, err_msg=choice)
+
+
+def test_prepare_decode_outside_a_trace_keeps_the_logits(monkeypatch):
+  """`prepare_decode` called eagerly on a bf16 k3_tiny (its KDA layers' input projections
+  concatenated, its MoE layers' five dense products merged into two, which run) gives a
+  cached decode step the unprepared model's logits to bf16 rounding and the same argmax."""
+  merged = []
+  real = LatentMoE._decode_inputs
+  monkeypatch.setattr(LatentMoE, "_decode_inputs",
+                      lambda *a: merged.append(1) or real(*a))
+  cfg = _tiny(**{"model.dtype": "bfloat16", "model.param_dtype": "bfloat16"})
+  toks = jax.random.randint(jax.random.key(4), (2, 6), 0, 258)
+  extend = nnx.jit(lambda m, tokens, cache: m.extend(tokens, cache))
+  outs = []
+  for prepare in (False, True):
+    model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(5), kernels=cfg.kernels)
+    _, cache = extend(model, toks[:, :5], model.init_cache(2, 8))
+    if prepare:
+      model.prepare_decode()
+      moe = model.layers[1].block_sparse_moe
+      assert moe.prepared_decode_weights is not None
+    outs.append(np.asarray(extend(model, toks[:, 5:6], cache)[0], np.float32))
+    assert bool(merged) == prepare
+  np.testing.assert_allclose(outs[1], outs[0], rtol=5e-2, atol=5e-2)
+  np.testing.assert_array_equal(outs[1].argmax(-1), outs[0].argmax(-1))
 
 
 def test_parameter_paths_follow_hf_names(tiny_model):
