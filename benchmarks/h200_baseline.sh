@@ -469,7 +469,7 @@ PY
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GATE_UP_TEST_S:-120} python3 -m pytest -q \
         -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py -k triton_gate_up \
         2>&1 | tee $OUT/mxfp4_gate_up_tests.log | tail -3
-      all=n32_k256_ptx,n16_k512,n32_k512,n64_k512,n64_k256_w8,n128_k256_w8
+      all=n32_k256_ptx,n32_k512,n64_k512,n64_k256_w8,n128_k256_w8,n64_k128,n32_k128,n64_k64
       timeout ${MOE_DECODE_CONFIGS_S:-300} python3 -m benchmarks.moe_decode_gemm \
         --shapes=${MOE_DECODE_SHAPES:-k3_small_gate_up_all,k3_small_down_all} \
         --grouped_configs=$all,swap64_k256,swap128_k256_w8,swap64_fp8_k256 \

@@ -27,7 +27,7 @@ rows: "unfused" (the fused gate/up, W2 as a grouped call, the combine) against
 `mxfp4_matmul.triton.expert_ffn` (one launch, then the combine's fusion); errors against
 the reference tier's `expert_ffn`.
 `--grouped_configs` adds rows "mxfp4_<name>": the packed grouped products on the Triton tier in
-DECODE_CONFIGS' candidates (gate/up as two calls).
+`mxfp4_matmul.triton.DECODE_CONFIGS`' candidates (gate/up as two calls).
 `median_ms` is device time from a profiler trace of back-to-back calls cycling weight copies
 that together exceed twice the L2 (`common.device_ms_cycling`); the floor is the bytes of the
 touched experts' weights (plus x and out) at the copy rate. `--toy` runs small shapes once in
@@ -74,30 +74,11 @@ TOY_BATCHES = (2,)
 MXFP4_TOY_IMPL = "triton"        # --toy: the Triton tier in its interpreter (CPU's default is
                                  # the reference the row is checked against)
 L2_BYTES = 50 * 2 ** 20          # H200
-# Candidates of the Triton tier at decoding shapes besides its default ("n64_ptx"), named by
-# --grouped_configs (rows "mxfp4_<name>": the packed grouped products, gate/up as two calls) and
-# --gate_up_configs (rows "fused_<name>"; MMA tiles only). At k3_small's K 512 the default's
-# programs run two K steps each, so their count and size, not the K pipeline, set the time.
-# n32_k256_ptx (fused gate/up, H100, 2026-12-07): faster from 1 token (8.3 against 9.5 us),
-# slower from 16 (28.2 against 26.2); 168 registers against 231 (sm_90a, K 1024, F 512).
-_Config = mxfp4_triton.Config
-DECODE_CONFIGS = {
-    "n32_k256_ptx": _Config(block_n=32, block_k=256, dequant="ptx"),
-    "n16_k512": _Config(block_n=16, block_k=512, dequant="ptx"),
-    "n32_k512": _Config(block_n=32, block_k=512, dequant="ptx"),
-    "n64_k512": _Config(block_n=64, block_k=512, dequant="ptx"),
-    "n64_k256_w8": _Config(block_n=64, block_k=256, num_warps=8, dequant="ptx"),
-    "n128_k256_w8": _Config(block_n=128, block_k=256, num_warps=8, dequant="ptx"),
-    "swap64_k256": _Config(block_n=64, block_k=256, swap=True, dequant="ptx"),
-    "swap128_k256_w8": _Config(block_n=128, block_k=256, num_warps=8, swap=True, dequant="ptx"),
-    # MXFP8 x on the fp8 MMA (fewer instructions a weight; slower at K3's shapes, H100,
-    # 2026-12-06): the all-experts shapes' 1024 weight-row blocks of 64 fill the GPU.
-    "swap64_fp8_k256": _Config(block_n=64, block_k=256, swap=True, dequant="ptx", act="mxfp8"),
-}
 _GROUPED_CONFIGS = flags.DEFINE_list(
-    "grouped_configs", [], f"DECODE_CONFIGS for the packed grouped rows: {sorted(DECODE_CONFIGS)}")
+    "grouped_configs", [],
+    f"triton.DECODE_CONFIGS for the packed grouped rows: {sorted(mxfp4_triton.DECODE_CONFIGS)}")
 _GATE_UP_CONFIGS = flags.DEFINE_list(
-    "gate_up_configs", ["n32_k256_ptx"], "DECODE_CONFIGS for the fused gate/up rows.")
+    "gate_up_configs", ["n32_k256_ptx"], "triton.DECODE_CONFIGS for the fused gate/up rows.")
 BETAS = (4.0, 2.0)               # SiTU's beta1, beta2 (any: the timing does not depend on them)
 TRACED_CALLS = 40
 KEY_FIELDS = ("op", "implementation", "shape", "device")
@@ -129,7 +110,7 @@ def implementations(m: int, k: int, n: int, g: int, toy: bool) -> dict:
            for w in parts], axis=1), None),
   }
   for name in _GROUPED_CONFIGS.value:
-    cfg = mxfp4_triton.fit(DECODE_CONFIGS[name], k)
+    cfg = mxfp4_triton.fit(mxfp4_triton.DECODE_CONFIGS[name], k)
     impls[f"mxfp4_{name}"] = (lambda x, parts, gs, cfg=cfg: jnp.concatenate(
         [mxfp4_triton.ragged_dot(x, *w, gs, interpret=toy, config=cfg) for w in parts],
         axis=1), cfg)
@@ -262,7 +243,7 @@ def run_gate_up(base: dict, batch: int, top_k: int, g: int, k: int, weight_sets:
 
   impls = {"unfused": (unfused, None), "fused": (fused(None), None)}
   for name in _GATE_UP_CONFIGS.value:
-    cfg = mxfp4_triton.fit(DECODE_CONFIGS[name], k)
+    cfg = mxfp4_triton.fit(mxfp4_triton.DECODE_CONFIGS[name], k)
     impls[f"fused_{name}"] = (fused(cfg), cfg)
   (w1, w3), = weight_sets[:1]
   want = mxfp4_reference.gate_up(x, rows, *w1, *w3, sizes, beta1=BETAS[0], beta2=BETAS[1])
@@ -340,9 +321,9 @@ def main(argv):
   if unknown := set(_SHAPES.value or ()) - set(shapes):
     raise app.UsageError(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
   for flag in (_GROUPED_CONFIGS, _GATE_UP_CONFIGS):
-    if unknown := set(flag.value) - set(DECODE_CONFIGS):
+    if unknown := set(flag.value) - set(mxfp4_triton.DECODE_CONFIGS):
       raise app.UsageError(f"--{flag.name}: unknown {sorted(unknown)}; choose from "
-                           f"{sorted(DECODE_CONFIGS)}")
+                           f"{sorted(mxfp4_triton.DECODE_CONFIGS)}")
   for name, (g, k, n, top_k) in shapes.items():
     if _SHAPES.value and name not in _SHAPES.value:
       continue

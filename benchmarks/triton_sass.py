@@ -12,6 +12,8 @@ matmul"). Needs the package, which k3jax does not require:
   pip install triton==3.6.0      # the version of the GPU image
   python3 -m benchmarks.triton_sass --configs=n32_shift,n32_ptx --m=1 --k=3584 --n=3072
   python3 -m benchmarks.triton_sass --configs=n64_ptx --groups=8 --m=16 --keep_dir=/tmp/sass
+  python3 -m benchmarks.triton_sass --op=gate_up --configs=default,n64_k64 --m=16 --groups=64 \
+      --k=512 --n=512      # the fused gate/up, every one of 16 tokens on each of 64 experts
 
 Prints one line per config and, with --sass_out, writes the counts as JSON records.
 """
@@ -33,8 +35,11 @@ import jax.numpy as jnp
 from pallas_kernels.mxfp4_matmul import triton as mx_triton
 
 TARGET = "__gpu$xla.gpu.triton"
-_CONFIGS = flags.DEFINE_list("configs", ["n32_ptx"], f"Names of {list(mx_triton.CONFIGS)}, or "
-                             "'default' (the tier's choice for the shape).")
+_CONFIGS = flags.DEFINE_list("configs", ["n32_ptx"], "Names in the tier's CONFIGS or "
+                             "DECODE_CONFIGS, or 'default' (the tier's choice for the shape).")
+_OP = flags.DEFINE_enum("op", "matmul", ["matmul", "gate_up"], "matmul: the dense (--groups 1) "
+                        "or grouped product; gate_up: the fused gate/up (`triton.gate_up`) of "
+                        "--m tokens, each on every one of --groups experts (W1, W3 [G, N, K]).")
 _M = flags.DEFINE_integer("m", 1, "Rows of x.")
 _K = flags.DEFINE_integer("k", 3584, "K (block_k is fitted to it).")
 _N = flags.DEFINE_integer("n", 3072, "N.")
@@ -69,14 +74,19 @@ def triton_modules(lowered) -> list[tuple[str, dict, str]]:
   return found
 
 
-def lower(cfg: mx_triton.Config | None, m: int, k: int, n: int, groups: int):
+def lower(cfg: mx_triton.Config | None, m: int, k: int, n: int, groups: int,
+          op: str = "matmul"):
   """The tier's call lowered for an H200."""
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   s = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
-  lead = (groups,) if groups > 1 else ()
-  args = [s(m, k), s(*lead, n, k // 2, dtype=jnp.uint8), s(*lead, n, k // 32, dtype=jnp.uint8)]
-  if groups > 1:
+  lead = (groups,) if groups > 1 or op == "gate_up" else ()
+  w = [s(*lead, n, k // 2, dtype=jnp.uint8), s(*lead, n, k // 32, dtype=jnp.uint8)]
+  args = [s(m, k), *w]
+  if op == "gate_up":
+    args = [s(m, k), s(m * groups, dtype=jnp.int32), *w, *w, s(groups, dtype=jnp.int32)]
+    fn = lambda x, rows, *ws: mx_triton.gate_up(x, rows, *ws, beta1=4.0, beta2=2.0, config=cfg)
+  elif groups > 1:
     args.append(s(groups, dtype=jnp.int32))
     fn = lambda x, p, sc, gs: mx_triton.ragged_dot(x, p, sc, gs, config=cfg)
   else:
@@ -139,19 +149,20 @@ def main(argv):
     import triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     raise app.UsageError("needs the `triton` package: pip install triton==3.6.0") from None
-  if unknown := set(_CONFIGS.value) - set(mx_triton.CONFIGS) - {"default"}:
+  configs = {**mx_triton.CONFIGS, **mx_triton.DECODE_CONFIGS}
+  if unknown := set(_CONFIGS.value) - set(configs) - {"default"}:
     raise app.UsageError(f"--configs: unknown {sorted(unknown)}, choose from "
-                         f"{['default', *mx_triton.CONFIGS]}")
+                         f"{['default', *configs]}")
   m, k, n, g = _M.value, _K.value, _N.value, _GROUPS.value
   keep = pathlib.Path(_KEEP.value) if _KEEP.value else None
   if keep:
     keep.mkdir(parents=True, exist_ok=True)
   records = []
   for name in _CONFIGS.value:
-    cfg = None if name == "default" else mx_triton.fit(mx_triton.CONFIGS[name], k)
-    [(kernel, params, text)] = triton_modules(lower(cfg, m, k, n, g))
+    cfg = None if name == "default" else mx_triton.fit(configs[name], k)
+    [(kernel, params, text)] = triton_modules(lower(cfg, m, k, n, g, _OP.value))
     counts = compile_module(text, params, _ARCH.value, keep, f"{kernel}_{name}")
-    rec = dict(kernel=kernel, config=name, shape=dict(M=m, K=k, N=n, G=g),
+    rec = dict(kernel=kernel, config=name, op=_OP.value, shape=dict(M=m, K=k, N=n, G=g),
                arch=f"sm_{_ARCH.value}a", **params, **counts)
     records.append(rec)
     top = ", ".join(f"{op} {c}" for op, c in list(counts["loop_opcodes"].items())[:6])

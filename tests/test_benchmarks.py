@@ -425,6 +425,12 @@ def test_triton_sass_reads_the_kernels_triton_module_and_its_k_loop():
   assert params == dict(num_warps=4, num_stages=4, grid_x=96, grid_y=1, grid_z=1)
   assert "tt.func" in text and "tt.dot" in text and "mul.rn.bf16x2" in text
   assert "loc(" not in text
+  # The fused gate/up of 16 tokens on each of 64 experts in n64_k64 (a DECODE_CONFIGS entry).
+  cfg = triton_sass.mx_triton.DECODE_CONFIGS["n64_k64"]
+  [(name, params, text)] = triton_sass.triton_modules(
+      triton_sass.lower(cfg, 16, 512, 512, 64, op="gate_up"))
+  assert name == "mxfp4_gate_up_triton" and (params["grid_x"], params["grid_y"]) == (8, 65)
+  assert "tt.dot" in text
   # An outer loop (0x10-0x60) around the K loop (0x20-0x50), then a shorter loop (0x80-0x90):
   # the largest innermost one counts.
   listing = "\n".join(f"        /*{a:04x}*/  {op} ;  /* 0x0 */" for a, op in [

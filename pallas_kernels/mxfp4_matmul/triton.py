@@ -201,6 +201,34 @@ CONFIGS = {
                                unroll=True),
 }
 
+# Candidates at the MoE's decoding shapes besides the grouped default ("n64_ptx"), for
+# `benchmarks/moe_decode_gemm.py` (--grouped_configs: rows "mxfp4_<name>", the packed grouped
+# products, gate/up as two calls; --gate_up_configs: rows "fused_<name>", MMA tiles only) and
+# `benchmarks/triton_sass.py`. At k3_small's K 512 the default's
+# programs run two K steps each, so their count and size, not the K pipeline, set the time.
+# n32_k256_ptx (fused gate/up, H100, 2026-12-07): faster from 1 token (8.3 against 9.5 us),
+# slower from 16 (28.2 against 26.2); 168 registers against 231 (sm_90a, K 1024, F 512).
+DECODE_CONFIGS = {
+    "n32_k256_ptx": Config(block_n=32, block_k=256, dequant="ptx"),
+    "n16_k512": Config(block_n=16, block_k=512, dequant="ptx"),
+    "n32_k512": Config(block_n=32, block_k=512, dequant="ptx"),
+    "n64_k512": Config(block_n=64, block_k=512, dequant="ptx"),
+    "n64_k256_w8": Config(block_n=64, block_k=256, num_warps=8, dequant="ptx"),
+    "n128_k256_w8": Config(block_n=128, block_k=256, num_warps=8, dequant="ptx"),
+    "swap64_k256": Config(block_n=64, block_k=256, swap=True, dequant="ptx"),
+    "swap128_k256_w8": Config(block_n=128, block_k=256, num_warps=8, swap=True, dequant="ptx"),
+    # Shorter K steps, more programs resident: the fused gate/up at the all-experts shape (16
+    # tokens, 64 experts, K 512; sm_90a, offline) takes 242 registers in the default (2
+    # programs an SM), 156 in n64_k128 (3), 116 in n32_k128 (4), 96 in n64_k64 (5: its 520
+    # programs in one wave), none spilling.
+    "n64_k128": Config(block_n=64, block_k=128, dequant="ptx"),
+    "n32_k128": Config(block_n=32, block_k=128, dequant="ptx"),
+    "n64_k64": Config(block_n=64, block_k=64, dequant="ptx"),
+    # MXFP8 x on the fp8 MMA (fewer instructions a weight; slower at K3's shapes, H100,
+    # 2026-12-06): the all-experts shapes' 1024 weight-row blocks of 64 fill the GPU.
+    "swap64_fp8_k256": Config(block_n=64, block_k=256, swap=True, dequant="ptx", act="mxfp8"),
+}
+
 
 def _compute_capability() -> int:
   """The default device's (or the abstract mesh's) compute capability, 0 if not an NVIDIA GPU."""
