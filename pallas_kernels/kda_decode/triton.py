@@ -16,10 +16,11 @@ tail channels.
 `_column_kernel`, the state in [K, block] column blocks (f_a f_b in [block, K] slices of f_b;
 block 32 at 4 warps: 167 registers, three programs an SM, for K3's B 16 x 96 heads = 1536
 programs). Every entry of `CONFIGS` passes the GPU tests (H100, 2026-12-07); the default,
-"c64_w4", was the fastest at every measured shape there (B 1 and 16 x H 8 and 96: 0.96-0.84x
-the whole tile's time; `benchmarks/kda_decode.py`, BENCHMARKS decode section). At k3_small's decode
-(B 16, H 8, K 128) it is one kernel where the XLA form of the same step takes six (gate
-product, gate and operand fusion, conv tail update and its copy, recurrence, output norm).
+"c64_w4", was the fastest at three of the four measured shapes there and within 1% at the
+fourth (B 1 and 16 x H 8 and 96: 0.84-0.98x the whole tile's time; `benchmarks/kda_decode.py`,
+this op's README). At k3_small's decode (B 16, H 8, K 128) it is one kernel where the XLA
+form of the same step takes six (gate product, gate and operand fusion, conv tail update and
+its copy, recurrence, output norm).
 """
 import dataclasses
 import functools
