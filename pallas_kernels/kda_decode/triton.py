@@ -11,14 +11,13 @@ written after the readout's reductions and the tail rows last, so every thread h
 values before any is overwritten. Splitting a head's columns over programs (as fla's
 fused_recurrent_kda does) would race there: every program reads all of the head's q and k
 tail channels.
-`Config` picks the kernel: block None (or >= K) `_tile_kernel`, the whole [K, K] state at once
-(8 warps; 162-178 registers a thread on sm_90a at K 128: one program an SM); block < K
-`_column_kernel`, the state in [K, block] column blocks (f_a f_b in [block, K] slices of f_b;
-block 32 at 4 warps: 167 registers, three programs an SM, for K3's B 16 x 96 heads = 1536
-programs). Every entry of `CONFIGS` passes the GPU tests (H100, 2026-12-07); the default,
+`Config.block`: the state walked in [K, block] column blocks (f_a f_b in [block, K] slices of
+f_b; None or >= K: the whole [K, K] state at once, one program an SM at 8 warps; block 32 at
+4 warps: 167 registers a thread on sm_90a, three programs an SM, for K3's B 16 x 96 heads =
+1536 programs). Every entry of `CONFIGS` passed the GPU tests (H100, 2026-12-07); the default,
 "c64_w4", was the fastest at three of the four measured shapes there and within 1% at the
-fourth (B 1 and 16 x H 8 and 96: 0.84-0.98x the whole tile's time; `benchmarks/kda_decode.py`,
-this op's README). At k3_small's decode (B 16, H 8, K 128) it is one kernel where the XLA
+fourth (B 1 and 16 x H 8 and 96: 0.84-0.98x the time of "tile_w8", then a separate kernel for
+the whole state, since folded into this one; `benchmarks/kda_decode.py`, this op's README). At k3_small's decode (B 16, H 8, K 128) it is one kernel where the XLA
 form of the same step takes six (gate product, gate and operand fusion, conv tail update and
 its copy, recurrence, output norm).
 """
@@ -84,55 +83,10 @@ def _i32(i: int) -> jax.Array:
   return jnp.int32(i)
 
 
-def _tile_kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, state_ref,
-            len_ref, o_ref, tail_out, state_out, *, heads: int, k: int, r: int, width: int,
-            gate: str, lower_bound: float, scale: float, eps: float):
-  """The whole [K, K] state at once (`Config.block` None or >= K): the kernel whose GPU tests
-  passed on an H100 (2026-12-07), unchanged."""
-  b, h = pl.program_id(0), pl.program_id(1)
-  hk = heads * k
-  load = lambda ref: plgpu_triton.load(ref).astype(_F32)
-  s = plgpu_triton.load(state_ref.at[b, h])          # [K, V], issued first: the largest read
-  w_fb = load(fb_ref.at[pl.ds(0, r), h, pl.ds(0, k)])                        # [R, K]
-  valid = plgpu_triton.load(len_ref.at[pl.ds(b, 1)]) > 0                     # [1]
-  ys, tails = [], []
-  for sec in range(3):                                                        # q, k, v
-    cols = pl.ds(sec * hk + h * k, k)
-    x = load(proj_ref.at[b, cols])
-    taps = [load(tail_ref.at[b, _i32(j), cols]) for j in range(width - 1)]
-    acc = x * load(cw_ref.at[_i32(width - 1), cols])
-    for j in range(width - 1):
-      acc = acc + taps[j] * load(cw_ref.at[_i32(j), cols])
-    ys.append(acc * jax.nn.sigmoid(acc))
-    tails.append((cols, [jnp.where(valid, new, old) for new, old in zip(taps[1:] + [x], taps)]))
-  q, kk, v = ys
-  q = q * jax.lax.rsqrt(jnp.sum(q * q) + reference.L2_EPS) * scale
-  kk = kk * jax.lax.rsqrt(jnp.sum(kk * kk) + reference.L2_EPS)
-  z = load(proj_ref.at[b, pl.ds(3 * hk + h * k, k)])
-  fa = load(proj_ref.at[b, pl.ds(4 * hk, r)])
-  f = jnp.sum(fa[:, None] * w_fb, axis=0)                                     # [K]
-  f = f + load(dtb_ref.at[pl.ds(h * k, k)])
-  g = reference.gate(f, jnp.exp(load(alog_ref.at[pl.ds(h, 1)])), gate, lower_bound)
-  beta = jax.nn.sigmoid(load(proj_ref.at[b, pl.ds(4 * hk + r + h, 1)]))
-  g = jnp.where(valid, g, 0.0)
-  beta = jnp.where(valid, beta, 0.0)
-  s = s * jnp.exp(g)[:, None]
-  u = v - jnp.sum(s * kk[:, None], axis=0)
-  s = s + (beta * kk)[:, None] * u[None, :]
-  o = jnp.sum(s * q[:, None], axis=0)
-  o = o * jax.lax.rsqrt(jnp.sum(o * o) / k + eps)
-  o = o * load(onorm_ref.at[pl.ds(0, k)]) * jax.nn.sigmoid(z)
-  plgpu_triton.store(o_ref.at[b, pl.ds(h * k, k)], o.astype(o_ref.dtype))
-  plgpu_triton.store(state_out.at[b, h], s)
-  for cols, rows in tails:
-    for j, row in enumerate(rows):
-      plgpu_triton.store(tail_out.at[b, _i32(j), cols], row.astype(tail_out.dtype))
-
-
-def _column_kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, state_ref,
+def _kernel(proj_ref, tail_ref, cw_ref, fb_ref, alog_ref, dtb_ref, onorm_ref, state_ref,
             len_ref, o_ref, tail_out, state_out, *, heads: int, k: int, r: int, width: int,
             block: int, gate: str, lower_bound: float, scale: float, eps: float):
-  """The state in [K, block] column blocks (`Config.block` < K)."""
+  """One (row, head): the state in [K, block] column blocks (one block: the whole state)."""
   b, h = pl.program_id(0), pl.program_id(1)
   hk = heads * k
   load = lambda ref: plgpu_triton.load(ref).astype(_F32)
@@ -207,11 +161,9 @@ def _step(proj, conv_tail, conv_weight, f_b, a_log, dt_bias, o_norm, state, leng
   shape = conv_tail.shape                 # [B, W-1, 3, HK], read as [B, W-1, 3HK] (a bitcast)
   conv_tail = conv_tail.reshape(b, shape[1], 3 * h * k)
   conv_weight = conv_weight.reshape(shape[1] + 1, 3 * h * k)
-  block = min(cfg.block or k, k)
-  kw = dict(heads=h, k=k, r=r, width=conv_weight.shape[0], gate=gate, lower_bound=lower_bound,
-            scale=scale, eps=norm_eps)
-  kernel = (functools.partial(_tile_kernel, **kw) if block == k
-            else functools.partial(_column_kernel, block=block, **kw))
+  kernel = functools.partial(_kernel, heads=h, k=k, r=r, width=conv_weight.shape[0],
+                             block=min(cfg.block or k, k), gate=gate, lower_bound=lower_bound,
+                             scale=scale, eps=norm_eps)
   o, tail, state = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((b, h * k), proj.dtype),
