@@ -777,7 +777,7 @@ class LatentMoE(nnx.Module):
       return None
     w = lambda p: p["kernel"][...].astype(self.dtype)
     kernel = self.gate["kernel"][...]
-    router = [kernel] if kernel.dtype == jnp.bfloat16 else list(_split3(kernel))
+    router = [kernel] if self._router_parts() == 1 else list(_split3(kernel))
     shared = self.shared_experts
     w_in = jnp.concatenate([w(self.routed_expert_down_proj), *router, w(shared.gate_proj),
                             w(shared.up_proj)], axis=1)
@@ -788,13 +788,16 @@ class LatentMoE(nnx.Module):
     decode loop calls it before its while loop: two GEMMs a layer in place of five)."""
     self.prepared_decode_weights = self.decode_weights()
 
+  def _router_parts(self) -> int:
+    """The router kernel's bf16 parts in W_in: 1 for a bf16 kernel, else 3 (`_split3`)."""
+    return 1 if self.gate["kernel"].dtype == jnp.bfloat16 else 3
+
   def _decode_inputs(self, xf: jax.Array, w_in: jax.Array
                      ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
     """xf [N, d] through W_in (`decode_weights`): z [N, l] bf16, the router logits [N, E] fp32
     (as `router_logits` forms them) and the shared experts' (gate, up) [N, S] bf16."""
     lat = self.routed_expert_down_proj["kernel"].shape[1]
-    num_e = self.num_experts
-    parts = (w_in.shape[1] - lat - 2 * self.shared_experts.gate_proj["kernel"].shape[1]) // num_e
+    num_e, parts = self.num_experts, self._router_parts()
     proj = jnp.dot(xf.astype(self.dtype), w_in, preferred_element_type=jnp.float32)
     logits = proj[:, lat:lat + parts * num_e].reshape(-1, parts, num_e)
     logits = sum(logits[:, i] for i in reversed(range(parts)))
