@@ -69,6 +69,8 @@ SHAPES = {"k3_small_gate_up": (64, 512, 1024, 8), "k3_small_down": (64, 512, 512
           "k3_small_gate_up_all": (64, 512, 1024, 64), "k3_small_down_all": (64, 512, 512, 64),
           "k3_gate_up": (None, 3584, 6144, 16), "k3_down": (None, 3072, 3584, 16)}
 BATCHES = (1, 16)
+_BATCHES = flags.DEFINE_list("batches", [str(b) for b in BATCHES],
+                             "Token batches to run at each shape (default: 1 and 16).")
 TOY_SHAPES = {"toy_gate_up": (16, 128, 256, 4)}   # W1 | W3: two packed calls
 TOY_BATCHES = (2,)
 MXFP4_TOY_IMPL = "triton"        # --toy: the Triton tier in its interpreter (CPU's default is
@@ -327,7 +329,7 @@ def main(argv):
   for name, (g, k, n, top_k) in shapes.items():
     if _SHAPES.value and name not in _SHAPES.value:
       continue
-    for batch in TOY_BATCHES if toy else BATCHES:
+    for batch in TOY_BATCHES if toy else [int(b) for b in _BATCHES.value]:
       records = run_shape(name, g or batch * top_k, k, n, batch, top_k, toy, copy)
       for r in records:
         r.update(copy_tbps=None if copy is None else round(copy, 3))
