@@ -165,7 +165,7 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
   copies = 1 if toy else max(2, -(-2 * L2_BYTES // weight_bytes))
   weights = [(0.02 * jax.random.normal(jax.random.key(c), (g, k, n), jnp.float32)
               ).astype(jnp.bfloat16) for c in range(copies)]
-  halves = 2 if name.endswith("gate_up") else 1          # packed W1 and W3 apart
+  halves = 2 if "gate_up" in name else 1          # packed W1 and W3 apart
   weight_sets = {"bf16": weights,
                  "mxfp4": [tuple(packed(h) for h in jnp.split(w, halves, axis=2))
                            for w in weights]}

@@ -221,6 +221,7 @@ DECODE_CONFIGS = {
     # tokens, 64 experts, K 512; sm_90a, offline) takes 242 registers in the default (2
     # programs an SM), 156 in n64_k128 (3), 116 in n32_k128 (4), 96 in n64_k64 (5: its 520
     # programs in one wave), none spilling.
+    "n64_k256": Config(block_n=64, block_k=256, dequant="ptx"),   # = n64_ptx, by this name
     "n64_k128": Config(block_n=64, block_k=128, dequant="ptx"),
     "n32_k128": Config(block_n=32, block_k=128, dequant="ptx"),
     "n64_k64": Config(block_n=64, block_k=64, dequant="ptx"),
@@ -263,14 +264,25 @@ def fit(cfg: Config, k: int) -> Config:
   return dataclasses.replace(cfg, block_k=bk, split_k=split)
 
 
+# Grouped calls of K <= SHORT_K and at most SHORT_K_MAX_ROWS rows (k3_small's decode) take
+# "n64_k64": at the all-experts shapes (16 rows on each of 64 experts, K 512; H100,
+# 2026-12-07) 19.0 us against n64_ptx's 25.6 (W1 | W3 as one N 1024), 9.7 against 13.3 (W2).
+SHORT_K = 512
+SHORT_K_MAX_ROWS = 1024
+
+
 def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
   """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03
   and 2026-12-06): "fma_n4_w2_unroll" dense at one row, "n32_ptx" dense at more, "n64_ptx"
-  grouped (split-K's atomic adds are not); block_n halved (to 16 at least, 1 for fma) until it
+  grouped (split-K's atomic adds are not), "n64_k64" grouped at short K and few rows
+  (SHORT_K); block_n halved (to 16 at least, 1 for fma) until it
   divides N, block_k until it divides K (0 if no power of two from 64 does: the call is
   declined)."""
   one_row = not grouped and m == 1
-  cfg = CONFIGS["n64_ptx" if grouped else "fma_n4_w2_unroll" if one_row else "n32_ptx"]
+  if grouped and k <= SHORT_K and m <= SHORT_K_MAX_ROWS:
+    cfg = DECODE_CONFIGS["n64_k64"]
+  else:
+    cfg = CONFIGS["n64_ptx" if grouped else "fma_n4_w2_unroll" if one_row else "n32_ptx"]
   bn, least = cfg.block_n, 1 if cfg.fma else 16
   while n % bn and bn > least:
     bn //= 2
