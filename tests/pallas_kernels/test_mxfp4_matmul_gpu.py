@@ -11,7 +11,8 @@ The plan must pick mosaic_gpu when asked, so a silent fall-through fails. The Tr
 (`triton.py`, few rows) likewise: every code and scale edge exactly with each dequantization
 (split-K too; with MXFP8 x on the fp8 MMA too), large scales, overflow and NaN, the K3 shapes at
 M = 1 and 16 dense and over 8 experts at M = 16 and 64, and every benchmark candidate config
-(those with MXFP8 x against the reference's fp32 product of MXFP8-rounded x); its fused gate/up
+(those with MXFP8 x against the reference's fp32 product of MXFP8-rounded x), the decode
+candidates and default at k3_small's all-experts shape; its fused gate/up
 kernel (gather, W1 / W3, SiTU) against the reference tier at k3_small's and K3's shapes.
 """
 import dataclasses
@@ -337,6 +338,30 @@ def test_triton_every_candidate_config(name):
       x, packed, scale, gs)
   assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < BF16_TOL, cfg
   np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(SIZES[m]):], 0.0)
+
+
+@pytest.mark.parametrize("name", [None, *triton.DECODE_CONFIGS])
+def test_triton_decode_configs_all_experts_shape(name):
+  """The default (n64_k64 here: `triton.SHORT_K`) and each decode candidate
+  (`triton.DECODE_CONFIGS`) at k3_small's all-experts W2 shape: 16 rows on each of 64 experts
+  but one empty and one of 9, K = N = 512, 3 rows past the groups; fp32 out against the
+  reference (bf16 for a config with MXFP8 x, against MXFP8-rounded x)."""
+  k = n = 512
+  sizes = [16] * 64
+  sizes[5], sizes[40] = 0, 9
+  m = sum(sizes)
+  if name is None:
+    assert triton.default_config(m, k, n, True) == triton.DECODE_CONFIGS["n64_k64"]
+  cfg = None if name is None else triton.fit(triton.DECODE_CONFIGS[name], k)
+  x, packed, scale = make(m + 3, k, n, len(sizes), seed=m)
+  fp8 = cfg is not None and cfg.act == "mxfp8"
+  ref_x = mx.dequantize(*mx.quantize(x, "mxfp8")) if fp8 else x
+  gs = jnp.asarray(sizes, jnp.int32)
+  ref = reference.ragged_dot(ref_x, packed, scale, gs, preferred_element_type=jnp.float32)
+  out = jax.jit(lambda a, p, s, g: triton.ragged_dot(
+      a, p, s, g, config=cfg, preferred_element_type=jnp.float32))(x, packed, scale, gs)
+  assert rel_err(out, ref) < (F8_TOL if fp8 else F32_TOL), (cfg, rel_err(out, ref))
+  np.testing.assert_array_equal(np.asarray(out)[m:], 0.0)
 
 
 @pytest.mark.parametrize("k, f, m", [(512, 512, 16), (3584, 3072, 16), (3584, 3072, 64)])
