@@ -462,7 +462,8 @@ PY
       done
       ;;
     moe_decode_configs)
-      # The fused gate/up's GPU tests, then benchmarks/moe_decode_gemm.py's DECODE_CONFIGS at
+      # The fused gate/up's GPU tests, then benchmarks/moe_decode_gemm.py's DECODE_CONFIGS
+      # (MOE_DECODE_CONFIGS; default the short-K ones around the default n64_k64) at
       # k3_small's decode shapes (MOE_DECODE_SHAPES; default the all-experts path's): the packed
       # grouped products (rows mxfp4_<name>) and the fused gate/up (rows fused_<name>; swapped
       # tiles are not its) beside the defaults, at MOE_DECODE_BATCHES tokens (default 16: the
@@ -470,12 +471,11 @@ PY
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GATE_UP_TEST_S:-120} python3 -m pytest -q \
         -p no:cacheprovider tests/pallas_kernels/test_mxfp4_matmul_gpu.py -k triton_gate_up \
         2>&1 | tee $OUT/mxfp4_gate_up_tests.log | tail -3
-      all=n32_k256_ptx,n32_k512,n64_k512,n64_k256_w8,n128_k256_w8,n64_k128,n32_k128,n64_k64
+      all=${MOE_DECODE_CONFIGS:-n64_k256,n64_k128,n64_k64,n32_k64,n128_k64_w8,n64_k64_s2,n64_k64_s3,n64_k64_w2}
       timeout ${MOE_DECODE_CONFIGS_S:-300} python3 -m benchmarks.moe_decode_gemm \
         --shapes=${MOE_DECODE_SHAPES:-k3_small_gate_up_all,k3_small_down_all} \
         --batches=${MOE_DECODE_BATCHES:-16} \
-        --grouped_configs=$all,swap64_k256,swap128_k256_w8,swap64_fp8_k256 \
-        --gate_up_configs=$all --out=$OUT/moe_decode_h200.json 2>&1 \
+        --grouped_configs=$all --gate_up_configs=$all --out=$OUT/moe_decode_h200.json 2>&1 \
         | tee $OUT/moe_decode_configs.log | grep -E "mxfp4|gate/up|Error" | cut -c1-100
       ;;
     decode_kernels)

@@ -225,6 +225,12 @@ DECODE_CONFIGS = {
     "n64_k128": Config(block_n=64, block_k=128, dequant="ptx"),
     "n32_k128": Config(block_n=32, block_k=128, dequant="ptx"),
     "n64_k64": Config(block_n=64, block_k=64, dequant="ptx"),
+    # Around the short-K default (SHORT_K): narrower and wider tiles, shallower pipelines.
+    "n32_k64": Config(block_n=32, block_k=64, dequant="ptx"),
+    "n128_k64_w8": Config(block_n=128, block_k=64, num_warps=8, dequant="ptx"),
+    "n64_k64_s2": Config(block_n=64, block_k=64, num_stages=2, dequant="ptx"),
+    "n64_k64_s3": Config(block_n=64, block_k=64, num_stages=3, dequant="ptx"),
+    "n64_k64_w2": Config(block_n=64, block_k=64, num_warps=2, dequant="ptx"),
     # MXFP8 x on the fp8 MMA (fewer instructions a weight; slower at K3's shapes, H100,
     # 2026-12-06): the all-experts shapes' 1024 weight-row blocks of 64 fill the GPU. x rounded
     # to MXFP8 moves the output (2.9e-2 relative L2 from the bf16-x reference in the CPU toy run).
