@@ -313,23 +313,31 @@ def expert_products(z: jax.Array, order: jax.Array, inverse: jax.Array, top_k: i
 ALL_EXPERTS_MAX_TOKENS = 64
 
 
-def all_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: ExpertWeight,
-                w3: ExpertWeight, w2: ExpertWeight, beta1: float, beta2: float,
+def dense_weights(weights: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+  """weights / experts [N, k] -> p [N, E] fp32: p_ne = weights[n, j] where experts[n, j] = e,
+  else 0 (`moe_route.route_dense` forms it from the logits)."""
+  return jnp.sum(jnp.where(experts[:, :, None] == jnp.arange(num_experts),
+                           weights[:, :, None].astype(jnp.float32), 0.0), axis=1)
+
+
+def all_experts(z: jax.Array, dense: jax.Array, w1: ExpertWeight, w3: ExpertWeight,
+                w2: ExpertWeight, beta1: float, beta2: float,
                 ragged_dot: RaggedDot = jax.lax.ragged_dot, gate_up_impl: str | None = "xla",
                 interpret: bool = False, qat: bool = False) -> jax.Array:
   """`routed_experts` with every expert applied to every token (decoding, where N tokens'
-  N*k copies touch most experts): u = sum_e p_ne W2_e[SiTU(W1_e z_n, W3_e z_n)] with
-  p_ne = weights[n, j] where experts[n, j] = e, else 0 (Eq. 11 over all e).
+  N*k copies touch most experts): u = sum_e p_ne W2_e[SiTU(W1_e z_n, W3_e z_n)] (Eq. 11 over
+  all e, p_ne = 0 where token n did not pick expert e).
 
-  z [N, l], weights / experts [N, k] -> u [N, l]. The E*N products run as E groups of N
-  rows through `expert_products` (the copies' order is a constant: no sort, no permutation),
-  then one weighted sum over experts in fp32. It reads every expert once where the sorted path
-  reads the touched ones (at k3_small's B 16, k 8 of 64: 88% of them) and computes E / k times
-  the copies. Unselected experts' outputs are multiplied by 0: finite for finite weights."""
+  z [N, l], dense p [N, E] (`dense_weights`, `moe_route.route_dense`) -> u [N, l]. The E*N
+  products run as E groups of N rows through `expert_products` (the copies' order is a
+  constant: no sort, no permutation), then one weighted sum over experts in fp32. It reads
+  every expert once where the sorted path reads the touched ones (at k3_small's B 16, k 8 of
+  64: 88% of them) and computes E / k times the copies. Unselected experts' outputs are
+  multiplied by 0: finite for finite weights."""
   n_tok, lat = z.shape
   num_experts = expert_shape(w1)[0]
-  dense = jnp.sum(jnp.where(experts[:, :, None] == jnp.arange(num_experts),
-                            weights[:, :, None].astype(jnp.float32), 0.0), axis=1)   # [N, E]
+  if dense.shape != (n_tok, num_experts):
+    raise ValueError(f"dense must be [N, E] = [{n_tok}, {num_experts}], got {dense.shape}")
   pos = jnp.arange(n_tok * num_experts, dtype=jnp.int32)
   order = (pos % n_tok) * num_experts + pos // n_tok        # copy n E + e at position e N + n
   inverse = (pos % num_experts) * n_tok + pos // num_experts
@@ -337,8 +345,8 @@ def all_experts(z: jax.Array, weights: jax.Array, experts: jax.Array, w1: Expert
   out = expert_products(expert_input(z, qat), order, inverse, num_experts, group_sizes, w1, w3,
                         w2, beta1, beta2, ragged_dot, gate_up_impl, "kernel", interpret, qat)
   with jax.named_scope("moe_combine"):
-    u = jnp.sum(dense.T[:, :, None] * out.reshape(num_experts, n_tok, lat).astype(jnp.float32),
-                axis=0)
+    u = jnp.sum(dense.astype(jnp.float32).T[:, :, None]
+                * out.reshape(num_experts, n_tok, lat).astype(jnp.float32), axis=0)
   return u.astype(z.dtype)
 
 
@@ -727,8 +735,14 @@ class LatentMoE(nnx.Module):
       every = (cached and self.decode_experts == "all" and copies >= 2 * self.num_experts
                and bsz * seq <= ALL_EXPERTS_MAX_TOKENS)
       if every:
-        u = all_experts(h, weights, experts, w1, w3, w2, self.beta1, self.beta2,
-                        self.ragged_dot, self.gate_up_impl, qat=self.qat)
+        # The picks by rank, no top-k (the one above then feeds only the statistics, which a
+        # decode step drops)
+        with jax.named_scope("moe_routing"):
+          dense = moe_route.route_dense(logits, bias, self.top_k,
+                                        scale=self.routed_scaling_factor,
+                                        normalize=self.norm_topk_prob)
+        u = all_experts(h, dense, w1, w3, w2, self.beta1, self.beta2, self.ragged_dot,
+                        self.gate_up_impl, qat=self.qat)
       elif cached and not gathered and moe_route.plan(logits, self.top_k).impl == "triton":
         # A decode step: routing and the sort in one kernel (the statistics above, unused
         # there, are left to dead-code elimination).

@@ -181,7 +181,12 @@ def uneven_case():
   return arrs, jnp.asarray(experts)
 
 
-@pytest.mark.parametrize("path", [lm.routed_experts, lm.gathered_experts, lm.all_experts],
+def all_experts_path(z, weights, experts, w1, *rest):
+  """`all_experts` from the picks' weights, through `dense_weights`."""
+  return lm.all_experts(z, lm.dense_weights(weights, experts, w1.shape[0]), w1, *rest)
+
+
+@pytest.mark.parametrize("path", [lm.routed_experts, lm.gathered_experts, all_experts_path],
                          ids=["sorted", "gathered", "all"])
 def test_routed_paths_match_loop_reference(uneven_case, path):
   """The sorted (training), gathered and all-experts (decode) paths against the loop over

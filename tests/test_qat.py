@@ -268,7 +268,8 @@ def test_packed_all_experts_path_matches_loop_oracle(monkeypatch):
   kernel = mx_triton.gate_up
   monkeypatch.setattr(mx_triton, "gate_up",
                       lambda *a, **kw: ran.append(1) or kernel(*a, **kw))
-  args = (z, weights, experts, packed["w1"], packed["w3"], packed["w2"], B1, B2)
+  dense = lm.dense_weights(weights, experts, lm.expert_shape(packed["w1"])[0])
+  args = (z, dense, packed["w1"], packed["w3"], packed["w2"], B1, B2)
   fused = lm.all_experts(*args, gate_up_impl="triton", interpret=True)
   assert ran == [1] and fused.dtype == jnp.bfloat16
   unfused = lm.all_experts(*args, gate_up_impl="xla")

@@ -5,5 +5,6 @@ from pallas_kernels.moe_route.api import Plan
 from pallas_kernels.moe_route.api import plan
 from pallas_kernels.moe_route.api import route
 from pallas_kernels.moe_route.api import route_and_sort
+from pallas_kernels.moe_route.api import route_dense
 
-__all__ = ["IMPLS", "Plan", "plan", "route", "route_and_sort"]
+__all__ = ["IMPLS", "Plan", "plan", "route", "route_and_sort", "route_dense"]

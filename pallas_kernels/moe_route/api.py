@@ -7,6 +7,12 @@ of s + b (stop_gradient'ed), each pick's s, renormalised over the k (+1e-20) wit
 times `scale`; QB's cutoffs alpha, the (k+1)-th largest s + b (§2.3.3), with `cutoffs`.
 Differentiable in the logits (the training path; the xla tier only).
 
+`route_dense(logits, bias, k, scale=, normalize=)` returns `route`'s weights scattered over the
+experts, [N, E] fp32 with 0 where an expert is not picked, the picks counted by rank (pairs of
+experts compared, no top-k op): one or two XLA fusions where `route` takes the top-k kernel, a
+gather and a normalisation; for decoding steps that run every expert (`latent_moe.all_experts`).
+Differentiable in the logits.
+
 `route_and_sort(logits, bias, k, scale=, normalize=)` returns (weights, experts, order,
 inverse [N k] int32, group_sizes [E] int32): `route` then `pallas_kernels.expert_sort`'s sort.
 Not differentiable (decoding). Tiers: "xla" (`xla.py`: the top-k op, XLA's gather and
@@ -62,6 +68,14 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int, *, scale: float = 1.0,
                      f"got {top_k}")
   return xla.route(logits.astype(jnp.float32), bias, top_k, scale=float(scale),
                    normalize=bool(normalize), cutoffs=cutoffs)
+
+
+def route_dense(logits: jax.Array, bias: jax.Array, top_k: int, *, scale: float = 1.0,
+                normalize: bool = True) -> jax.Array:
+  """`route`'s weights as [N, E] fp32, 0 where an expert is not picked (module docstring)."""
+  _check(logits, bias, top_k)
+  return xla.route_dense(logits.astype(jnp.float32), bias, top_k, scale=float(scale),
+                         normalize=bool(normalize))
 
 
 def route_and_sort(logits: jax.Array, bias: jax.Array, top_k: int, *, scale: float = 1.0,

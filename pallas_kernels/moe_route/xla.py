@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import expert_sort
 from pallas_kernels import top_k as top_k_op
+from pallas_kernels.top_k import triton as top_k_triton
 
 
 def supports(logits, top_k: int, *, interpret: bool = False) -> str | None:
@@ -30,6 +31,25 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int, *, scale: float, norma
     weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
   out = (weights * scale, experts, scores)
   return out + (picked[:, top_k],) if cutoffs else out
+
+
+def route_dense(logits: jax.Array, bias: jax.Array, top_k: int, *, scale: float,
+                normalize: bool) -> jax.Array:
+  """`route`'s weights scattered over the experts, logits [N, E] fp32 -> p [N, E] fp32 (0 where
+  an expert is not picked), without a top-k: expert e is picked iff fewer than k experts come
+  before it in `top_k`'s order (larger s + b first, IEEE total order, ties to the lower
+  column), counted over all pairs [N, E, E] in one fusion. The normaliser sums the picks in
+  column order (`route` in pick order: ~1 ulp apart)."""
+  scores = jax.nn.sigmoid(logits)
+  key = top_k_triton.total_order_key(jax.lax.stop_gradient(scores + bias.astype(jnp.float32)))
+  col = jnp.arange(logits.shape[1])
+  other, this = key[:, None, :], key[:, :, None]           # [N, e, j]
+  ahead = (other > this) | ((other == this) & (col[None, :] < col[:, None]))
+  picked = jnp.sum(ahead, axis=2, dtype=jnp.int32) < top_k
+  weights = jnp.where(picked, scores, 0.0)
+  if normalize:
+    weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
+  return weights * scale
 
 
 def route_and_sort(logits: jax.Array, bias: jax.Array, top_k: int, *, scale: float,

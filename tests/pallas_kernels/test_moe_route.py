@@ -77,6 +77,45 @@ def test_route_weights_experts_scores_and_cutoffs():
   assert np.abs(np.asarray(grad)).sum() > 0
 
 
+@pytest.mark.parametrize("n,e,k,normalize,ties", [
+    (16, 64, 8, True, False), (5, 12, 3, False, False), (3, 9, 4, True, True),
+    (2, 4, 4, True, False)])
+def test_route_dense_matches_numpy(n, e, k, normalize, ties):
+  """`route_dense`: the oracle's picks exactly (ties to the lower column: columns 1, 2 and 5
+  equal with k 4 splits them), their weights in place, 0 elsewhere."""
+  logits, bias = case(n * 7 + e, n, e, ties)
+  got = np.asarray(jax.jit(lambda a, b: moe_route.route_dense(
+      a, b, k, scale=1.7, normalize=normalize))(logits, bias))
+  w, experts = oracle(logits, bias, k, 1.7, normalize)[:2]
+  want = np.zeros((n, e))
+  np.put_along_axis(want, experts, w, axis=1)
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got != 0, want != 0)
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_route_dense_negative_keys_and_gradient():
+  """Selection values below zero (a bias of -2: negative floats' total-order keys run
+  backwards) pick what `lax.top_k` picks; the gradient in the logits is `route`'s,
+  scattered."""
+  logits, bias = case(4, 6, 10)
+  bias = bias - 2.0
+  got = np.asarray(moe_route.route_dense(logits, bias, 3, normalize=False))
+  want = np.asarray(jax.lax.top_k(jax.nn.sigmoid(logits) + bias, 3)[1])
+  for row, picks in zip(got, want):
+    assert set(np.flatnonzero(row)) == set(picks)
+  logits, bias = case(5, 6, 10)
+  probe = jnp.cos(jnp.arange(60.0)).reshape(6, 10)
+
+  def scattered(x):
+    w, experts, _ = moe_route.route(x, bias, 3, scale=1.3)
+    return jnp.sum(jnp.where(experts[:, :, None] == jnp.arange(10), w[:, :, None], 0.0), axis=1)
+
+  g_dense = jax.grad(lambda x: jnp.sum(moe_route.route_dense(x, bias, 3, scale=1.3) * probe))
+  g_route = jax.grad(lambda x: jnp.sum(scattered(x) * probe))
+  np.testing.assert_allclose(g_dense(logits), g_route(logits), rtol=1e-5, atol=1e-7)
+
+
 def test_default_and_declines(monkeypatch):
   logits, _ = case(0, 4, 8)
   assert moe_route.plan(logits, 2).impl == "xla"
