@@ -128,18 +128,35 @@ def today() -> str:
   return datetime.date.today().isoformat()
 
 
-def merge_records(path: str, records: list[dict[str, Any]], key_fields: tuple[str, ...]) -> None:
-  """Writes `records` into the JSON list at `path`, replacing records with the same key."""
+def merge_records(path: str, records: list[dict[str, Any]], key_fields: tuple[str, ...],
+                  runs_of: str | None = None) -> None:
+  """Writes `records` into the JSON list at `path`, replacing records with the same key (the
+  file replaced whole: a failed write leaves the old one). `runs_of`: a field whose values
+  accumulate in `runs` (a list) over records of one key measured at the same commit on the
+  same device, where each run would otherwise replace the last."""
   old = []
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
   key = lambda r: tuple(json.dumps(r.get(k), sort_keys=True) for k in key_fields)
+  records = [dict(r) for r in records]
+  if runs_of:
+    same = {(key(r), r.get("commit"), r.get("device")): r for r in old}
+    for r in records:
+      prev = same.get((key(r), r.get("commit"), r.get("device")))
+      earlier = [] if prev is None else prev.get("runs", [prev.get(runs_of)])
+      r["runs"] = earlier + [r.get(runs_of)]
   new_keys = {key(r) for r in records}
   merged = [r for r in old if key(r) not in new_keys] + records
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(merged, f, indent=1)
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "w") as f:
+      json.dump(merged, f, indent=1)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def find_trace(path: str) -> pathlib.Path:

@@ -413,7 +413,7 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
         f"{prefill_note}cache/seq {rec['cache_bytes_per_seq'] / 2**20:8.1f} MiB  "
         f"[{tier or 'no MLA'}, KDA {rec['kda_decode_tier'] or '-'}, "
         f"{rec['moe_decode_experts']} {_EXPERT_FORMAT.value} experts]")
-    common.merge_records(_OUT.value, [rec], KEY_FIELDS)
+    common.merge_records(_OUT.value, [rec], KEY_FIELDS, runs_of="tpot_ms")
 
 
 def moe_kernels() -> str | None:

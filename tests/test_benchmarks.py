@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -83,6 +85,28 @@ def test_autotune_ragged_dot_times_every_product_in_the_interpreter(tmp_path):
   recs = records(out)
   assert sorted(r["product"] for r in recs) == ["d_lhs", "d_rhs", "fwd"]
   assert all(r["median_ms"] > 0 and r["shape"] == dict(G=2, M=256, K=256, N=256) for r in recs)
+
+
+def test_merge_records_replaces_by_key_and_keeps_runs_of_one_commit(tmp_path):
+  """Same key: replaced; with runs_of, the runs of one commit and device accumulate, another
+  commit starts over; a record that cannot be written leaves the file as it was."""
+  from benchmarks import common
+  path = str(tmp_path / "r.json")
+  rec = lambda ms, commit, v="a": dict(op="x", variant=v, tpot_ms=ms, commit=commit, device="d")
+  common.merge_records(path, [rec(2.0, "c1"), rec(5.0, "c1", "b")], ("op", "variant"),
+                       runs_of="tpot_ms")
+  common.merge_records(path, [rec(3.0, "c1")], ("op", "variant"), runs_of="tpot_ms")
+  got = {r["variant"]: r for r in json.load(open(path))}
+  assert got["a"]["tpot_ms"] == 3.0 and got["a"]["runs"] == [2.0, 3.0]
+  assert got["b"]["runs"] == [5.0]
+  common.merge_records(path, [rec(4.0, "c2")], ("op", "variant"), runs_of="tpot_ms")
+  assert {r["variant"]: r for r in json.load(open(path))}["a"]["runs"] == [4.0]
+  common.merge_records(path, [rec(1.0, "c2", "b")], ("op", "variant"))
+  assert "runs" not in {r["variant"]: r for r in json.load(open(path))}["b"]
+  before = open(path).read()
+  with pytest.raises(TypeError):
+    common.merge_records(path, [dict(op="x", variant="c", bad=object())], ("op", "variant"))
+  assert open(path).read() == before and sorted(os.listdir(tmp_path)) == ["r.json"]
 
 
 def test_read_words_reads_every_word():
