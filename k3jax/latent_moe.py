@@ -765,8 +765,9 @@ class LatentMoE(nnx.Module):
       if self.qb_keep_scores:
         aux["scores"] = jax.lax.stop_gradient(scores)
     if prepared is not None:
-      with jax.named_scope("moe_latent"):
+      with jax.named_scope("moe_shared"):
         hs = situ_lib.situ(*shared_in, self.beta1, self.beta2)
+      with jax.named_scope("moe_latent"):
         u = jnp.concatenate([self.routed_expert_norm(u).astype(self.dtype), hs], axis=1)
         u = jnp.dot(u, prepared[1], preferred_element_type=jnp.float32).astype(self.dtype)
     else:
