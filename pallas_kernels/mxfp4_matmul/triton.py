@@ -197,6 +197,10 @@ CONFIGS = {
     # SASS: all LDGs of the program first, 96 registers): the default at one dense row (9.1 /
     # 9.8 us against fma_n4_w2's 10.3 / 9.9, H200, 2026-12-06; block_n 8 was slower, 10.6-10.9,
     # and was dropped). The MMA tiles unrolled spill (7 steps of [16+, 256] bytes held at once).
+    # Split-K over short K steps: every program's x slice and weight tile small, the programs
+    # (96 column blocks x 8 at K3's N 3072) resident in one wave.
+    "n32_k64_s8": Config(block_n=32, block_k=64, dequant="ptx", split_k=8),
+    "n64_k64_s8": Config(block_n=64, block_k=64, dequant="ptx", split_k=8),
     "fma_n4_w2_unroll": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True,
                                unroll=True),
 }
