@@ -208,7 +208,7 @@ def run_shape(name: str, g: int, k: int, n: int, batch: int, top_k: int, toy: bo
     print(f"{name:18s} B{batch:<3d} G{g} M{m} K{k} N{n} {impl:8s} {ms:9.4f} ms  floor "
           f"{rec['floor_ms']} ms", flush=True)
   rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-  del weights, weight_sets["bf16"]     # K3's gate/up at B 16: 22.5 GB that the rest not needs
+  del weights, weight_sets["bf16"]     # K3's gate/up at B 16: 22.5 GB, unused from here
   if halves == 2:
     records += run_gate_up(base, batch, top_k, g, k, weight_sets["mxfp4"], floors["mxfp4"],
                            floor_ms, toy, rel)

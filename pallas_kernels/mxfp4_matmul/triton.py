@@ -197,8 +197,8 @@ CONFIGS = {
     # SASS: all LDGs of the program first, 96 registers): the default at one dense row (9.1 /
     # 9.8 us against fma_n4_w2's 10.3 / 9.9, H200, 2026-12-06; block_n 8 was slower, 10.6-10.9,
     # and was dropped). The MMA tiles unrolled spill (7 steps of [16+, 256] bytes held at once).
-    # Split-K over short K steps: every program's x slice and weight tile small, the programs
-    # (96 column blocks x 8 at K3's N 3072) resident in one wave.
+    # Split-K over short K steps (atomic adds: candidates only): every program's x slice and
+    # weight tile small, the programs (96 column blocks x 8 at K3's N 3072) in one wave.
     "n32_k64_s8": Config(block_n=32, block_k=64, dequant="ptx", split_k=8),
     "n64_k64_s8": Config(block_n=64, block_k=64, dequant="ptx", split_k=8),
     "fma_n4_w2_unroll": Config(block_n=4, block_m=1, num_warps=2, dequant="ptx", fma=True,
@@ -222,9 +222,9 @@ DECODE_CONFIGS = {
     "swap64_k256": Config(block_n=64, block_k=256, swap=True, dequant="ptx"),
     "swap128_k256_w8": Config(block_n=128, block_k=256, num_warps=8, swap=True, dequant="ptx"),
     # Shorter K steps, more programs resident: the fused gate/up at the all-experts shape (16
-    # tokens, 64 experts, K 512; sm_90a, offline) takes 242 registers in the default (2
-    # programs an SM), 156 in n64_k128 (3), 116 in n32_k128 (4), 96 in n64_k64 (5: its 520
-    # programs in one wave), none spilling.
+    # tokens, 64 experts, K 512; sm_90a, offline) takes 242 registers in n64_k256 (n64_ptx,
+    # the default before 1450d1b: 2 programs an SM), 156 in n64_k128 (3), 116 in n32_k128 (4),
+    # 96 in n64_k64 (5: its 520 programs in one wave), none spilling.
     "n64_k256": Config(block_n=64, block_k=256, dequant="ptx"),   # = n64_ptx, by this name
     "n64_k128": Config(block_n=64, block_k=128, dequant="ptx"),
     "n32_k128": Config(block_n=32, block_k=128, dequant="ptx"),
