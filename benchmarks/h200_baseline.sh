@@ -71,6 +71,9 @@
 #   bash benchmarks/h200_baseline.sh moe_decode_configs   # ~4 min: the Triton tier's decode
 #                                                          # candidates at k3_small's decode shapes
 #                                                          # (grouped, fused gate/up) and defaults
+#   bash benchmarks/h200_baseline.sh decode_matmul        # ~3 min: the few-rows bf16 matmul
+#                                                          # kernel's GPU tests, then k3_small's
+#                                                          # decode products by XLA and by it
 #   bash benchmarks/h200_baseline.sh decode_kernels       # ~2 min: one traced decode loop of
 #                                                          # k3_small (B 16, 128k, packed experts):
 #                                                          # parts and kernels by HLO op
@@ -461,6 +464,17 @@ PY
           | grep -E "device|tpot|Error"
       done
       ;;
+    decode_matmul)
+      # The few-rows bf16 matmul kernel's GPU tests, then a decode step's dense products
+      # (k3_small, M 16) by XLA's GEMM and by the kernel in each config,
+      # $OUT/decode_matmul_h200.json.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${DECODE_MATMUL_TEST_S:-120} python3 -m pytest \
+        -q -p no:cacheprovider tests/pallas_kernels/test_decode_matmul.py 2>&1 \
+        | tee $OUT/decode_matmul_tests.log | tail -3
+      timeout ${DECODE_MATMUL_S:-240} python3 -m benchmarks.decode_matmul \
+        --out=$OUT/decode_matmul_h200.json 2>&1 | tee $OUT/decode_matmul.log \
+        | grep -E "device|us|declined|Error"
+      ;;
     moe_decode_configs)
       # The fused gate/up's GPU tests, then benchmarks/moe_decode_gemm.py's DECODE_CONFIGS
       # (MOE_DECODE_CONFIGS; default the short-K ones around the default n64_k64) at
@@ -612,7 +626,7 @@ PY
     *)
       echo "unknown section $section (ceilings, gpu_tests, kda_tests, kda_quick, kda_ptxas, kda_trace, kda, kda_accuracy, moe,
         moe_gemm, moe_kernels, moe_tgmm, moe_gmm_tiles, moe_gmm_costs, moe_fused, moe_trace, train, train_remat, train_compile, attention, mxfp4, mxfp4_triton, mxfp4_ncu, mxfp4_xla, moe_decode, scale_out, train_cache, decode_attention, decode, decode_paths,
-        decode_kernels, decode_flags, expert_sort, kda_decode, expert_ffn, decode_ab, kda_decode_tests, moe_decode_configs,
+        decode_kernels, decode_flags, decode_matmul, expert_sort, kda_decode, expert_ffn, decode_ab, kda_decode_tests, moe_decode_configs,
         train_parts, train_trace)"; exit 2
       ;;
   esac

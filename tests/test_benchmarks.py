@@ -174,6 +174,20 @@ def test_mxfp4_matmul_benchmark_times_every_row_in_the_interpreter(tmp_path):
     if impl == fp8:       # bf16 output of the MXFP8 product; x's E4M3 rounding is ~3e-2
       assert r["rel_l2_vs_reference"] < 5e-3 and r["rel_l2_vs_bf16_x"] > 1e-2, r
 
+def test_decode_matmul_benchmark_times_xla_and_the_kernel_at_the_models_shapes(tmp_path):
+  out = tmp_path / "decode_matmul.json"
+  run_module("benchmarks.decode_matmul", "--toy", f"--out={out}", "--configs=n32_k64")
+  recs = records(out)
+  names = {r["shape"]["name"] for r in recs}
+  assert {"kda_w_in", "kda_o_proj", "mla_kv_a", "lm_head"} <= names, names
+  for r in recs:
+    assert r["shape"]["N"] % 64 == 0 and r["shape"]["N"] >= r["shape"]["model_N"], r
+    assert r["implementation"] in ("xla", "triton:n32_k64"), r
+    assert ("error" in r) == (r["implementation"] != "xla" and r["shape"]["K"] % 64 > 0), r
+    if "error" not in r:
+      assert r["median_ms"] > 0 and r["rel_l2_vs_xla_fp32"] < 1e-2, r
+
+
 def test_moe_decode_gemm_benchmark_times_every_kernel_in_the_interpreter(tmp_path):
   out = tmp_path / "moe_decode.json"
   run_module("benchmarks.moe_decode_gemm", "--toy", f"--out={out}",
