@@ -6,9 +6,8 @@ time per call from an XLA profiler trace with the weights cycled through enough 
 L2 (`common.device_ms_cycling`): "xla" (`jnp.dot`, fp32 sums, bf16 out: what the model runs)
 and "triton:<name>" (the kernel tier in each config of --configs), at the shapes of k3_small's
 decode products (read off the model abstractly: the KDA layers' merged input product and
-o_proj, the MoE's merged W_in / W_out, MLA's q_a and kv_a, the LM head), N rounded up to a
-multiple of 64 (the shape's record keeps the model's N). Floor: the weight, x and output bytes
-at the copy rate measured in the same run.
+o_proj, the MoE's merged W_in / W_out, MLA's q_a and kv_a, the LM head). Floor: the weight, x
+and output bytes at the copy rate measured in the same run.
 
   python3 -m benchmarks.decode_matmul --out=$OUT/decode_matmul_h200.json
 `--toy` runs k3_tiny's shapes at M 4 once each in the interpreter (CPU, wall clock).
@@ -37,7 +36,6 @@ _CONFIGS = flags.DEFINE_list("configs", list(dm_triton.CONFIGS), "Names in the k
 _ROWS = flags.DEFINE_integer("rows", 16, "M: tokens a step (ignored with --toy: 4).")
 KEY_FIELDS = ("op", "implementation", "shape", "device")
 L2_BYTES = 50 * 2 ** 20          # H200
-PAD = 64
 
 
 def product_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -76,14 +74,13 @@ def main(argv):
   if unknown := set(_CONFIGS.value) - set(dm_triton.CONFIGS):
     raise app.UsageError(f"--configs: unknown {sorted(unknown)}; choose from "
                          f"{sorted(dm_triton.CONFIGS)}")
-  for name, (k, n_model) in product_shapes(cfg).items():
-    n = -(-n_model // PAD) * PAD
+  for name, (k, n) in product_shapes(cfg).items():
     nbytes = k * n * 2 + m * (k + n) * 2
     copies = 1 if toy else max(2, -(-2 * L2_BYTES // (k * n * 2)))
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
     ws = [(0.02 * jax.random.normal(jax.random.key(c + 1), (k, n), jnp.float32)
            ).astype(jnp.bfloat16) for c in range(copies)]
-    base = dict(op="decode_matmul", shape=dict(name=name, M=m, K=k, N=n, model_N=n_model),
+    base = dict(op="decode_matmul", shape=dict(name=name, M=m, K=k, N=n),
                 dtype="bfloat16", floor_bytes=nbytes,
                 floor_ms=None if copy is None else round(nbytes / (copy * 1e12) * 1e3, 4),
                 device=common.device_name(), date=common.today(), commit=common.code_commit(),

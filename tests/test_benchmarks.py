@@ -181,7 +181,6 @@ def test_decode_matmul_benchmark_times_xla_and_the_kernel_at_the_models_shapes(t
   names = {r["shape"]["name"] for r in recs}
   assert {"kda_w_in", "kda_o_proj", "mla_kv_a", "lm_head"} <= names, names
   for r in recs:
-    assert r["shape"]["N"] % 64 == 0 and r["shape"]["N"] >= r["shape"]["model_N"], r
     assert r["implementation"] in ("xla", "triton:n32_k64"), r
     assert ("error" in r) == (r["implementation"] != "xla" and r["shape"]["K"] % 64 > 0), r
     if "error" not in r:

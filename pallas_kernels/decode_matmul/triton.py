@@ -1,6 +1,6 @@
 """Triton tier: x [M, K] @ w [K, N] for M <= 16, bf16 x and w, fp32 sums.
 
-A program per column block of `block_n` (and, with split_k > 1, per share of K): it walks its
+A program per column block of `block_n` (the last one masked past N; with split_k > 1, one per share of K too): it walks its
 K in steps of `block_k`, each x's [16, block_k] tile (rows past M masked to 0) dotted with w's
 [block_k, block_n] on the MMA into an fp32 [16, block_n] accumulator, the K loop pipelined over
 `num_stages`. At a decode step's shapes (M 16, K 1024, N a few thousand) the column blocks of 32
@@ -76,8 +76,6 @@ def supports(x, w, *, preferred_element_type=None, interpret: bool = False,
   for name, b, least in (("block_n", cfg.block_n, 16), ("block_k", cfg.block_k, 16)):
     if b < least or b & (b - 1):
       return f"{name}={b} must be a power of two >= {least} (MMA tiles)"
-  if n % cfg.block_n:
-    return f"N={n} is not a multiple of block_n={cfg.block_n}"
   if k % cfg.block_k or cfg.split_k < 1 or (k // cfg.block_k) % cfg.split_k:
     return (f"K={k} must be a multiple of block_k={cfg.block_k} in a number of steps that "
             f"split_k={cfg.split_k} divides")
@@ -86,27 +84,28 @@ def supports(x, w, *, preferred_element_type=None, interpret: bool = False,
   return tiers.triton_offsets_reason(x=x, w=w)
 
 
-def _kernel(x_ref, w_ref, out_ref, *, cfg: Config, m: int):
-  """Program (j[, s]): out[:, j bn:(j + 1) bn] (of K's s-th share)."""
+def _kernel(x_ref, w_ref, out_ref, *, cfg: Config, m: int, n: int):
+  """Program (j[, s]): out[:, j bn:(j + 1) bn] (of K's s-th share); the last column block's
+  columns past N masked."""
   bn, bk = cfg.block_n, cfg.block_k
   n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
   steps = x_ref.shape[1] // bk // cfg.split_k
   first = pl.program_id(1) * steps if cfg.split_k > 1 else 0
-  valid = (jnp.arange(BLOCK_M) < m)[:, None]
+  rows = (jnp.arange(BLOCK_M) < m)[:, None]
+  cols = (n0 + jnp.arange(bn) < n)[None, :]
 
   def step(kk, acc):
     k0 = pl.multiple_of(kk * bk, bk)
-    x = plgpu_triton.load(x_ref.at[pl.ds(0, BLOCK_M), pl.ds(k0, bk)], mask=valid, other=0)
-    w = w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
+    x = plgpu_triton.load(x_ref.at[pl.ds(0, BLOCK_M), pl.ds(k0, bk)], mask=rows, other=0)
+    w = plgpu_triton.load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask=cols, other=0)
     return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
   acc = lax.fori_loop(first, first + steps, step, jnp.zeros((BLOCK_M, bn), jnp.float32))
+  tile = (pl.ds(0, BLOCK_M), pl.ds(n0, bn))
   if cfg.split_k > 1:
-    plgpu_triton.store(out_ref.at[pl.program_id(1), pl.ds(0, BLOCK_M), pl.ds(n0, bn)], acc,
-                       mask=valid)
+    plgpu_triton.store(out_ref.at[(pl.program_id(1), *tile)], acc, mask=rows & cols)
   else:
-    plgpu_triton.store(out_ref.at[pl.ds(0, BLOCK_M), pl.ds(n0, bn)],
-                       acc.astype(out_ref.dtype), mask=valid)
+    plgpu_triton.store(out_ref.at[tile], acc.astype(out_ref.dtype), mask=rows & cols)
 
 
 def matmul(x: jax.Array, w: jax.Array, *, preferred_element_type=None,
@@ -122,9 +121,9 @@ def matmul(x: jax.Array, w: jax.Array, *, preferred_element_type=None,
   split = cfg.split_k > 1
   shape = (cfg.split_k, m, n) if split else (m, n)
   out = pl.pallas_call(
-      functools.partial(_kernel, cfg=cfg, m=m),
+      functools.partial(_kernel, cfg=cfg, m=m, n=n),
       out_shape=jax.ShapeDtypeStruct(shape, _F32 if split else out_dtype),
-      grid=(n // cfg.block_n, cfg.split_k) if split else (n // cfg.block_n,),
+      grid=(pl.cdiv(n, cfg.block_n), cfg.split_k) if split else (pl.cdiv(n, cfg.block_n),),
       compiler_params=plgpu_triton.CompilerParams(num_warps=cfg.num_warps,
                                                   num_stages=cfg.num_stages),
       interpret=interpret, name="decode_matmul_triton",
