@@ -68,6 +68,7 @@ from k3jax import generate
 from k3jax import latent_moe
 from k3jax.model import K3ForCausalLM
 from pallas_kernels import decode_attention
+from pallas_kernels.decode_matmul import api as decode_matmul_api
 from pallas_kernels.expert_sort import api as expert_sort_api
 from pallas_kernels import kda_decode
 from pallas_kernels.kda_decode import api as kda_decode_api
@@ -103,7 +104,7 @@ _SWAPPED_GMM = flags.DEFINE_bool(
     "SWAPPED_IS_DEFAULT before the model is built; recorded as moe_kernels).")
 # Tier switches: (flag, module, its default switch, the value that turns it on). Each flag's
 # "" keeps the default; another value sets the switch before the model is built. The MoE ones
-# are recorded in moe_kernels, kda_decode in kda_decode_tier.
+# are recorded in moe_kernels, kda_decode in kda_decode_tier, decode_matmul in decode_matmul.
 _SWITCHES = []
 
 
@@ -122,6 +123,10 @@ _MOE_ROUTE = _switch("moe_route", moe_route_api, "TRITON_IS_DEFAULT", "triton", 
                      "Decode steps' routing and sort (triton: one Triton kernel)")
 _KDA_DECODE = _switch("kda_decode", kda_decode_api, "TRITON_IS_DEFAULT", "triton", "xla",
                       "The KDA layers' decode step")
+_DECODE_MATMUL = _switch("decode_matmul", decode_matmul_api, "TRITON_IS_DEFAULT", "triton",
+                         "xla", "A decode step's dense products through "
+                         "pallas_kernels.decode_matmul (KDA's input product and o_proj, the "
+                         "MoE's merged W_in / W_out; recorded as decode_matmul)")
 _KDA_DECODE_CONFIG = flags.DEFINE_enum(
     "kda_decode_config", "", ("", *kda_decode_triton.CONFIGS),
     "The triton tier's tile and warps (\"\": its DEFAULT; else sets pallas_kernels.kda_decode."
@@ -136,7 +141,8 @@ CONFIG = "experiments/configs/k3_small.py"
 TOY_CONFIG = "experiments/configs/k3_tiny.py"
 TOY = dict(batches=(2,), contexts=(32, 64), new_tokens=6, chunk_tokens=32)
 KEY_FIELDS = ("op", "variant", "shape", "decode_attention_tier", "kda_decode_tier",
-              "moe_decode_experts", "moe_kernels", "expert_format", "xla_flags", "device")
+              "moe_decode_experts", "moe_kernels", "expert_format", "xla_flags", "device",
+              "decode_matmul")
 
 
 def variant_config(name: str, toy: bool, decode_attention_impl: str = "",
@@ -402,6 +408,7 @@ def run_batch(name: str, model: K3ForCausalLM, batch: int, contexts: tuple[int, 
                copy_tbps=round(copy, 3), decode_attention_tier=tier,
                kda_decode_tier=kda_decode_tier(model, batch),
                moe_decode_experts=moe_choice, moe_kernels=moe_kernels(),
+               decode_matmul=_DECODE_MATMUL.value or None,
                expert_format=None if _EXPERT_FORMAT.value == "float" else _EXPERT_FORMAT.value,
                xla_flags=os.environ.get("XLA_FLAGS", ""),
                timing="wall_once" if toy else "wall", device=common.device_name(),

@@ -1,4 +1,4 @@
-r"""A decode step's dense products at few rows: XLA's own GEMM against `pallas_kernels.decode_matmul`.
+r"""A decode step's dense products at few rows: XLA's GEMM against `pallas_kernels.decode_matmul`.
 
 k3_small's decode loop spends ~0.27 ms a step (B 16, 128k; BENCHMARKS.md "Decode") in XLA's
 GEMMs at M = 16, which read their weights at ~1.2 TB/s, ~40% of the copy rate. Rows, device

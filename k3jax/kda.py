@@ -14,6 +14,7 @@ from flax import nnx
 from k3jax import context_parallel
 from k3jax import params
 from k3jax.norms import rms_norm
+from pallas_kernels import decode_matmul
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import kda_decode
 from pallas_kernels.kda.reference import forget_gate
@@ -186,13 +187,14 @@ class KDA(nnx.Module):
     """One new token per row, x [B, 1, d] (`__call__` with a cache and T = 1): every input
     projection as one GEMM into [q | k | v | z | f_a | beta logits] (`decode_weights`, or the
     ones `prepare_decode` made), `pallas_kernels.kda_decode` for the conv, gates, recurrence
-    and gated output norm (one kernel on GPUs), then o_proj."""
+    and gated output norm (one kernel on GPUs), then o_proj; the two products through
+    `pallas_kernels.decode_matmul` (its default tier)."""
     b = x.shape[0]
     h, d_h, dt = self.num_heads, self.head_dim, self.dtype
     w = lambda p: p["kernel"][...].astype(dt)
     x = x[:, 0].astype(dt)
     w_in, conv_weight = self.prepared_decode_weights or self.decode_weights()
-    proj = x @ w_in
+    proj = decode_matmul.matmul(x, w_in)
     if not self.use_full_rank_gate:
       z = (x @ w(self.g_a_proj)) @ w(self.g_b_proj).reshape(d_h, h * d_h)
       proj = jnp.concatenate([proj[:, :3 * h * d_h], z, proj[:, 3 * h * d_h:]], axis=1)
@@ -201,7 +203,7 @@ class KDA(nnx.Module):
         self.dt_bias[...], self.o_norm["scale"][...], cache["state"], lengths,
         gate=self.gate_kind, lower_bound=self.lower_bound, norm_eps=self.eps,
         impl=self.decode_impl or None)
-    y = jnp.einsum("bhk,hkd->bd", o.reshape(b, h, d_h), w(self.o_proj))
+    y = decode_matmul.matmul(o.reshape(b, h * d_h), w(self.o_proj).reshape(h * d_h, -1))
     return y[:, None], {"state": state, "conv": conv}
 
   def init_cache(self, batch: int) -> dict:

@@ -33,6 +33,7 @@ from k3jax import quantile_balancing as qb
 from k3jax import situ as situ_lib
 from pallas_kernels import expert_sort
 from pallas_kernels.expert_sort import xla as expert_sort_xla
+from pallas_kernels import decode_matmul
 from pallas_kernels import moe_gate_up
 from pallas_kernels import mxfp4_matmul
 from pallas_kernels import moe_route
@@ -769,7 +770,7 @@ class LatentMoE(nnx.Module):
         hs = situ_lib.situ(*shared_in, self.beta1, self.beta2)
       with jax.named_scope("moe_latent"):
         u = jnp.concatenate([self.routed_expert_norm(u).astype(self.dtype), hs], axis=1)
-        u = jnp.dot(u, prepared[1], preferred_element_type=jnp.float32).astype(self.dtype)
+        u = decode_matmul.matmul(u, prepared[1])
     else:
       if self.use_latent:
         with jax.named_scope("moe_latent"):
@@ -813,7 +814,7 @@ class LatentMoE(nnx.Module):
     (as `router_logits` forms them) and the shared experts' (gate, up) [N, S] bf16."""
     lat = self.routed_expert_down_proj["kernel"].shape[1]
     num_e, parts = self.num_experts, self._router_parts()
-    proj = jnp.dot(xf.astype(self.dtype), w_in, preferred_element_type=jnp.float32)
+    proj = decode_matmul.matmul(xf.astype(self.dtype), w_in, preferred_element_type=jnp.float32)
     logits = proj[:, lat:lat + parts * num_e].reshape(-1, parts, num_e)
     logits = sum(logits[:, i] for i in reversed(range(parts)))
     gate, up = jnp.split(proj[:, lat + parts * num_e:], 2, axis=1)

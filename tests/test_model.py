@@ -307,3 +307,25 @@ def test_parameter_paths_follow_hf_names(tiny_model):
                "layers.1.block_sparse_moe.gate.e_score_correction_bias",
                "layers.1.block_sparse_moe.experts.w1", "layers.1.mlp_res_proj.kernel"]:
     assert name in flat, name
+
+
+def test_decode_products_run_through_decode_matmul(monkeypatch):
+  """A decode step's KDA input product and o_proj, and a bf16 MoE's merged W_in / W_out, go
+  through `pallas_kernels.decode_matmul` (whose tier a GPU run may switch)."""
+  from pallas_kernels import decode_matmul
+  calls = []
+  real = decode_matmul.matmul
+  monkeypatch.setattr(decode_matmul, "matmul",
+                      lambda x, w, **kw: calls.append(w.shape) or real(x, w, **kw))
+  cfg = _tiny(**{"model.dtype": "bfloat16"})
+  model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0))
+  model.prepare_decode()
+  cache = model.init_cache(2, 8)
+  model.extend(jnp.ones((2, 1), jnp.int32), cache)
+  m = cfg.model
+  kda_layers = sum(layer.kind == "kda" for layer in model.layers)
+  moe_layers = sum(layer.is_moe for layer in model.layers)
+  hk = m.kda.num_heads * m.kda.head_dim
+  assert sum(s == (hk, m.hidden_size) for s in calls) == kda_layers        # o_proj
+  assert sum(s[1] == m.hidden_size and s[0] != hk for s in calls) == moe_layers   # W_out
+  assert len(calls) == 2 * kda_layers + 2 * moe_layers, calls
