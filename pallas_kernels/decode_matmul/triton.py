@@ -44,6 +44,9 @@ CONFIGS = {
     "n64_k64_s2": Config(block_n=64, split_k=2),
     "n32_k64_s2": Config(split_k=2),
     "n64_k128_w8": Config(block_n=64, block_k=128, num_warps=8),
+    # Deeper pipelines: more of w in flight per SM (one program an SM at KDA's N).
+    "n32_k64_st8": Config(num_stages=8),
+    "n32_k128_st6": Config(block_k=128, num_stages=6),
 }
 DEFAULT = CONFIGS["n32_k64"]
 
