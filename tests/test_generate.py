@@ -136,6 +136,22 @@ def test_decode_loop_concatenates_no_weights(tiny):
   assert not {(s, True) for s in weights} & found
 
 
+@pytest.mark.parametrize("decode_experts, top_ks", [("all", 0), ("sorted", 1)])
+def test_all_experts_decode_loop_runs_no_router_top_k(decode_experts, top_ks):
+  """With every expert on every token (4 tokens' 8 copies >= 2 x 4 experts) the decode loop
+  forms the routing weights by rank (`moe_route.route_dense`): XLA's compiled loop holds no
+  top-k of the router (the statistics' one is dead there); the sorted path keeps its one."""
+  cfg = config.load(_TINY, {**_SMALL, "kernels.moe_decode_experts": decode_experts})
+  model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0), kernels=cfg.kernels)
+  graphdef, state = nnx.split(model)
+  b = 4
+  args = (graphdef, state, model.init_cache(b, 8), jnp.zeros((b,), jnp.int32),
+          jax.random.key(0), jnp.float32(0), jnp.float32(1), jnp.int32(-1), jnp.int32(4))
+  hlo = generate._decode.lower(*args, capacity=4).compile().as_text()
+  router = [line for line in hlo.splitlines() if 'custom_call_target="TopK"' in line]
+  assert len(router) == top_ks, router    # (sampling's nucleus sorts; XLA:CPU's top-k op)
+
+
 def test_scanned_layers_generate_what_unrolled_ones_do():
   """Layers 2-5 as a scanned unit (KDA, MLA) x 2: the stacked caches decode as the per-layer
   caches of the unrolled model do (same parameters)."""
