@@ -5,6 +5,7 @@ import math
 from typing import Callable
 
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu_triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +55,14 @@ def triton_offsets_reason(**arrays) -> str | None:
       return (f"{name} holds {nbytes} bytes, in (2 GiB, 4 GiB]: Pallas Triton's 32-bit "
               f"offsets, sign-extended, would wrap past 2 GiB")
   return None
+
+
+def gpu_compute_capability() -> int:
+  """The default device's (or the abstract mesh's, when lowering ahead of time for one) NVIDIA
+  compute capability, e.g. 90 for Hopper; 0 if it is not an NVIDIA GPU."""
+  if not plgpu_triton.is_gpu_device():
+    return 0
+  try:
+    return plgpu_triton.get_gpu_info().compute_capability
+  except ValueError:
+    return 0

@@ -53,12 +53,7 @@ DEFAULT = CONFIGS["n32_k64"]
 
 def is_gpu() -> bool:
   """True when the default device (or the abstract mesh's) is an NVIDIA GPU with bf16 MMA."""
-  if not plgpu_triton.is_gpu_device():
-    return False
-  try:
-    return plgpu_triton.get_gpu_info().compute_capability >= 80
-  except ValueError:
-    return False
+  return tiers.gpu_compute_capability() >= 80
 
 
 def supports(x, w, *, preferred_element_type=None, interpret: bool = False,

@@ -242,20 +242,10 @@ DECODE_CONFIGS = {
 }
 
 
-def _compute_capability() -> int:
-  """The default device's (or the abstract mesh's) compute capability, 0 if not an NVIDIA GPU."""
-  if not plgpu_triton.is_gpu_device():
-    return 0
-  try:
-    return plgpu_triton.get_gpu_info().compute_capability
-  except ValueError:
-    return 0
-
-
 def is_gpu() -> bool:
   """True when the default device (or the abstract mesh's, when lowering ahead of time for
   one) is an NVIDIA GPU with bf16 MMA (compute capability >= 8.0)."""
-  return _compute_capability() >= 80
+  return tiers.gpu_compute_capability() >= 80
 
 
 def _device_kind() -> str:
@@ -353,7 +343,7 @@ def _supports(x, w_packed, w_scale, groups: int, preferred_element_type, interpr
   cfg = default_config(m, k, n, groups > 1) if config is None else config
   if reason := check_config(cfg, k, n):
     return reason
-  if not interpret and cfg.act == "mxfp8" and _compute_capability() < 89:
+  if not interpret and cfg.act == "mxfp8" and tiers.gpu_compute_capability() < 89:
     return (f"act='mxfp8' needs fp8 MMA (compute capability >= 8.9), the default device is "
             f"{_device_kind()}")
   if groups == 1 and pl.cdiv(m, cfg.block_m) > MAX_GRID:
