@@ -16,7 +16,8 @@ Rows (implementation):
   M <= 64 only, where all of x fits one tile);
 - "mxfp4_triton": the Triton tier (`triton.py`, a Pallas kernel on the Triton backend for few
   rows) by name, its default config (a decline is recorded, not timed);
-- "mxfp4_triton_<name>": the Triton tier with the candidate config `triton.CONFIGS[name]`
+- "mxfp4_triton_<name>": the Triton tier with the candidate config `triton.CONFIGS[name]` (or
+  `DECODE_CONFIGS[name]`)
   (`--triton_configs`, block_k shrunk to divide K by `triton.fit`; a config the tier declines at
   a shape is recorded, not timed); a config with `act="mxfp8"` (x rounded to MXFP8, fp8 MMAs)
   is checked against the reference's fp32 product of MXFP8-rounded x (`reference` says so,
@@ -83,7 +84,8 @@ _VARIANTS = flags.DEFINE_list("variants", ["full_x", "select"], f"Kernel config 
                               f"beside the default, of {list(VARIANTS)}.")
 _TRITON_CONFIGS = flags.DEFINE_list(
     "triton_configs", [], f"Candidate configs of the Triton tier to time beside its default, of "
-    f"{list(triton.CONFIGS)} (rows mxfp4_triton_<name>, run whatever --implementations says).")
+    f"triton.CONFIGS or DECODE_CONFIGS (rows mxfp4_triton_<name>, run whatever "
+    f"--implementations says).")
 K3_KN = ((3584, 3072), (3072, 3584))
 DENSE_M = (1, 16, 64, 4096)
 GROUPED_M = (16, 64, 4096)
@@ -158,10 +160,13 @@ def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
   return out
 
 
+CANDIDATES = {**triton.CONFIGS, **triton.DECODE_CONFIGS}
+
+
 def triton_configs(k: int, names: list[str]) -> dict:
   """Row name -> the Triton tier's candidate Config for each name of `--triton_configs`, block_k
-  fitted to K."""
-  return {f"mxfp4_triton_{name}": triton.fit(triton.CONFIGS[name], k) for name in names}
+  fitted to K (a name of `triton.CONFIGS` or `triton.DECODE_CONFIGS`)."""
+  return {f"mxfp4_triton_{name}": triton.fit(CANDIDATES[name], k) for name in names}
 
 
 def rounds_x_to_mxfp8(name: str, m: int, k: int, n: int, grouped: bool, tconfigs: dict) -> bool:
@@ -341,9 +346,9 @@ def main(argv):
   toy = _TOY.value
   if unknown := set(_VARIANTS.value) - set(VARIANTS):
     raise app.UsageError(f"--variants: unknown {sorted(unknown)}, choose from {list(VARIANTS)}")
-  if unknown := set(_TRITON_CONFIGS.value) - set(triton.CONFIGS):
+  if unknown := set(_TRITON_CONFIGS.value) - set(CANDIDATES):
     raise app.UsageError(f"--triton_configs: unknown {sorted(unknown)}, choose from "
-                         f"{list(triton.CONFIGS)}")
+                         f"{list(CANDIDATES)}")
   peak, peak_source = flops.peak_flops_per_device()
   copy = None if toy else common.copy_tbps()
   print(f"device {common.device_name()}: peak {peak / 1e12:.0f} TFLOP/s ({peak_source}), copy "

@@ -6,8 +6,9 @@ batch (16 at the decode target) and the time is the weight's read.
 with fp32 sums, the output in x's dtype unless preferred_element_type. Tiers ("impl"): "xla"
 (`xla.py`, the reference) and "triton" (`triton.py`: bf16 x and w, M <= 16, one program per
 column block, optionally a share of K each with the shares summed by XLA). impl=None takes
-triton on GPUs while TRITON_IS_DEFAULT, else xla; a call the kernel declines falls through to
-xla. `plan(...)` returns the tier and every reason a tier declined.
+triton on GPUs while TRITON_IS_DEFAULT for weights of at most TRITON_DEFAULT_MAX_BYTES, else
+xla; a call the kernel declines falls through to xla. `plan(...)` returns the tier and every
+reason a tier declined.
 """
 import types
 
@@ -20,15 +21,20 @@ from pallas_kernels.decode_matmul import xla
 
 IMPLS = ("xla", "triton")
 TIERS: dict[str, types.ModuleType] = {"xla": xla, "triton": triton}
-# Off until its GPU tests pass and `benchmarks/decode_matmul.py` times it against XLA's own
-# GEMMs at the decode shapes.
-TRITON_IS_DEFAULT = False
+# On since its GPU tests passed on an H100 (2026-12-08), where `benchmarks/decode_matmul.py`
+# timed it faster than XLA's GEMM at each of k3_small's decode products of 0.6-8.7 MB (3.4-6.1
+# us against 3.6-6.7) and slower at the LM head's 335 MB (174 us against XLA's 111, its copy
+# rate): impl=None leaves weights above TRITON_DEFAULT_MAX_BYTES to XLA.
+TRITON_IS_DEFAULT = True
+TRITON_DEFAULT_MAX_BYTES = 16 << 20
 Plan = tiers.Plan
 
 
-def default_impls() -> tuple[str, ...]:
-  """Tier order for impl=None on the default device."""
-  return ("triton", "xla") if TRITON_IS_DEFAULT and triton.is_gpu() else ("xla",)
+def default_impls(w=None) -> tuple[str, ...]:
+  """Tier order for impl=None on the default device (for weight `w`, an array or a
+  ShapeDtypeStruct: xla alone above TRITON_DEFAULT_MAX_BYTES)."""
+  small = w is None or w.size * jnp.dtype(w.dtype).itemsize <= TRITON_DEFAULT_MAX_BYTES
+  return ("triton", "xla") if TRITON_IS_DEFAULT and small and triton.is_gpu() else ("xla",)
 
 
 def _validate(x, w, preferred_element_type) -> None:
@@ -51,7 +57,7 @@ def plan(x, w, *, preferred_element_type=None, impl: str | None = None,
   """The tier `matmul` would use (arrays or ShapeDtypeStructs)."""
   _validate(x, w, preferred_element_type)
   return tiers.first_supported(
-      tiers.order(impl, IMPLS, default_impls()),
+      tiers.order(impl, IMPLS, default_impls(w)),
       lambda name: TIERS[name].supports(x, w, preferred_element_type=preferred_element_type,
                                         interpret=interpret, config=config), interpret)
 

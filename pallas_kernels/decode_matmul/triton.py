@@ -52,6 +52,14 @@ CONFIGS = {
 DEFAULT = CONFIGS["n32_k128_st6"]
 
 
+def default_config(k: int) -> Config:
+  """DEFAULT with block_k halved (to 16 at least) until it divides K."""
+  bk = DEFAULT.block_k
+  while k % bk and bk > 16:
+    bk //= 2
+  return dataclasses.replace(DEFAULT, block_k=bk)
+
+
 def is_gpu() -> bool:
   """True when the default device (or the abstract mesh's) is an NVIDIA GPU with bf16 MMA."""
   return tiers.gpu_compute_capability() >= 80
@@ -60,8 +68,8 @@ def is_gpu() -> bool:
 def supports(x, w, *, preferred_element_type=None, interpret: bool = False,
              config: Config | None = None) -> str | None:
   """None if the kernel takes the call (arrays or ShapeDtypeStructs), else why not."""
-  cfg = config or DEFAULT
   (m, k), n = x.shape, w.shape[1]
+  cfg = config or default_config(k)
   if not interpret and not is_gpu():
     return ("needs an NVIDIA GPU of compute capability >= 8.0 or interpret=True, the default "
             f"device is {jax.devices()[0].device_kind}")
@@ -114,8 +122,8 @@ def matmul(x: jax.Array, w: jax.Array, *, preferred_element_type=None,
   if reason := supports(x, w, preferred_element_type=preferred_element_type,
                         interpret=interpret, config=config):
     raise NotImplementedError(reason)
-  cfg = config or DEFAULT
-  (m, _), n = x.shape, w.shape[1]
+  (m, k), n = x.shape, w.shape[1]
+  cfg = config or default_config(k)
   out_dtype = jnp.dtype(preferred_element_type or x.dtype)
   split = cfg.split_k > 1
   shape = (cfg.split_k, m, n) if split else (m, n)

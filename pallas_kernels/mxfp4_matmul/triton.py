@@ -265,22 +265,24 @@ def fit(cfg: Config, k: int) -> Config:
 
 
 # Grouped calls of K <= SHORT_K and at most SHORT_K_MAX_ROWS rows (k3_small's decode) take
-# "n64_k64": at the all-experts shapes (16 rows on each of 64 experts, K 512; H100,
-# 2026-12-07) 19.0 us against n64_ptx's 25.6 (W1 | W3 as one N 1024), 9.7 against 13.3 (W2).
+# K steps of 64: at the all-experts shapes (16 rows on each of 64 experts, K 512; H100,
+# 2026-12-07) "n64_k64" took 19.0 us against n64_ptx's 25.6 (W1 | W3 as one N 1024), 9.7
+# against 13.3 (W2). Of its variants (H100, 2026-12-08) two warps ("n64_k64_w2") took W2 in
+# 9.0 us against 9.9, three stages ("n64_k64_s3") the fused gate/up in 14.9 against 15.3.
 SHORT_K = 512
 SHORT_K_MAX_ROWS = 1024
 
 
-def default_config(m: int, k: int, n: int, grouped: bool) -> Config:
+def default_config(m: int, k: int, n: int, grouped: bool, gate_up: bool = False) -> Config:
   """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03
   and 2026-12-06): "fma_n4_w2_unroll" dense at one row, "n32_ptx" dense at more, "n64_ptx"
-  grouped (split-K's atomic adds are not), "n64_k64" grouped at short K and few rows
-  (SHORT_K); block_n halved (to 16 at least, 1 for fma) until it
+  grouped (split-K's atomic adds are not), "n64_k64_w2" grouped at short K and few rows
+  (SHORT_K; "n64_k64_s3" for the fused gate/up, `gate_up`); block_n halved (to 16 at least, 1 for fma) until it
   divides N, block_k until it divides K (0 if no power of two from 64 does: the call is
   declined)."""
   one_row = not grouped and m == 1
   if grouped and k <= SHORT_K and m <= SHORT_K_MAX_ROWS:
-    cfg = DECODE_CONFIGS["n64_k64"]
+    cfg = DECODE_CONFIGS["n64_k64_s3" if gate_up else "n64_k64_w2"]
   else:
     cfg = CONFIGS["n64_ptx" if grouped else "fma_n4_w2_unroll" if one_row else "n32_ptx"]
   bn, least = cfg.block_n, 1 if cfg.fma else 16
@@ -884,7 +886,8 @@ def supports_gate_up(x, rows, w1_packed, w1_scale, w3_packed, w3_scale, group_si
     return reason
   if x.shape[0] == 0:
     return "no tokens"
-  cfg = default_config(m, x.shape[1], w1_packed.shape[1], True) if config is None else config
+  cfg = (default_config(m, x.shape[1], w1_packed.shape[1], True, gate_up=True) if config is None
+         else config)
   if cfg.split_k > 1 or cfg.swap or cfg.fma or cfg.act != "bf16":
     return (f"gate_up takes an MMA tile of bf16 x without split-K, swap or fma, got split_k="
             f"{cfg.split_k}, swap={cfg.swap}, fma={cfg.fma}, act={cfg.act!r}")
@@ -905,7 +908,7 @@ def gate_up(x: jax.Array, rows: jax.Array, w1_packed: jax.Array, w1_scale: jax.A
     raise NotImplementedError(reason)
   (m,), (g, f, half) = rows.shape, w1_packed.shape
   k = 2 * half
-  cfg = default_config(m, k, f, True) if config is None else config
+  cfg = default_config(m, k, f, True, gate_up=True) if config is None else config
   tanh = jnp.tanh if interpret else plgpu_triton.approx_tanh
 
   def situ(gate, up):
@@ -983,7 +986,7 @@ def supports_expert_ffn(x, order, w1_packed, w1_scale, w3_packed, w3_scale, w2_p
                                 group_sizes, interpret=interpret, config=config):
     return reason
   m, f, d = order.shape[0], w1_packed.shape[1], w2_packed.shape[1]
-  cfg = default_config(m, x.shape[1], f, True) if config is None else config
+  cfg = default_config(m, x.shape[1], f, True, gate_up=True) if config is None else config
   if cfg.block_n < BLOCK:
     return f"block_n={cfg.block_n} is W2's K step: at least one scale block ({BLOCK})"
   if d % FFN_BLOCK_D and (d < 16 or d & (d - 1)):
@@ -1011,7 +1014,7 @@ def expert_ffn(x: jax.Array, weights: jax.Array, order: jax.Array, inverse: jax.
     raise NotImplementedError(reason)
   (n, top_k), (m,), (g, f, half) = weights.shape, order.shape, w1_packed.shape
   k, d = 2 * half, w2_packed.shape[1]
-  cfg = default_config(m, k, f, True) if config is None else config
+  cfg = default_config(m, k, f, True, gate_up=True) if config is None else config
   tanh = jnp.tanh if interpret else plgpu_triton.approx_tanh
 
   def situ(gate, up):

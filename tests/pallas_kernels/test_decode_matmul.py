@@ -43,19 +43,45 @@ def test_triton_tier_matches_fp64(name, m, k, n):
 
 
 def test_xla_tier_and_default():
-  """impl=None is xla off the GPU (and while TRITON_IS_DEFAULT is off): `jnp.dot`'s result."""
+  """impl=None is xla off the GPU (triton on one): `jnp.dot`'s result either way."""
   x, w, want = case(3, 64, 32)
-  assert decode_matmul.plan(x, w).impl == "xla"
-  np.testing.assert_array_equal(decode_matmul.matmul(x, w),
+  assert decode_matmul.plan(x, w).impl == ("triton" if ON_GPU else "xla")
+  for impl in ("xla", None):
+    out = decode_matmul.matmul(x, w, impl=impl, preferred_element_type=jnp.float32)
+    assert rel(out, want) < 1e-6
+  np.testing.assert_array_equal(decode_matmul.matmul(x, w, impl="xla"),
                                 jnp.dot(x, w, preferred_element_type=jnp.float32
                                         ).astype(jnp.bfloat16))
-  assert rel(decode_matmul.matmul(x, w, preferred_element_type=jnp.float32), want) < 1e-6
+
+
+def h200_mesh():
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                       platform="cuda")
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+@pytest.mark.parametrize("k, n, impl, reason", [
+    (1024, 4232, "triton", None),         # k3_small's KDA input product
+    (1536, 1024, "triton", None),         # its MoE W_out
+    (96, 64, "triton", None),             # block_k fitted to K: 32
+    (1024, 163840, "xla", None),          # the LM head: above TRITON_DEFAULT_MAX_BYTES
+    (40, 64, "xla", "K=40 must be a multiple of block_k=16"),
+])
+def test_default_on_a_gpu(k, n, impl, reason):
+  """impl=None on an H200 (abstract): the kernel with its default config fitted to K, XLA for
+  weights above the size where XLA's GEMM runs at the copy rate."""
+  x, w = jax.ShapeDtypeStruct((16, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(h200_mesh()):
+    p = decode_matmul.plan(x, w)
+  assert p.impl == impl and (reason is None) == (not p.declined), p.declined
+  if reason:
+    assert reason in p.declined[0][1]
 
 
 @pytest.mark.parametrize("shape, dtype, cfg, reason", [
     ((17, 64, 32), jnp.bfloat16, None, "M=17: the kernel takes 1 to 16 rows"),
     ((4, 64, 32), jnp.float32, None, "needs bfloat16 x and w"),
-    ((4, 96, 32), jnp.bfloat16, None, "K=96 must be a multiple of block_k=64"),
+    ((4, 96, 32), jnp.bfloat16, triton.Config(), "K=96 must be a multiple of block_k=64"),
     ((4, 128, 32), jnp.bfloat16, triton.Config(split_k=4), "split_k=4 divides"),
     ((4, 64, 32), jnp.bfloat16, triton.Config(block_n=24), "block_n=24 must be a power of two"),
 ])
@@ -90,9 +116,7 @@ def test_bad_arguments(args, kw, match):
 def test_lowers_for_h200():
   """Each config lowers to one Triton kernel for an H200 at k3_small's KDA input product
   (M 16, K 1024, N 4232: a partial last column block)."""
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                                       platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  mesh = h200_mesh()
   x = jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((1024, 4232), jnp.bfloat16)
   for cfg in triton.CONFIGS.values():

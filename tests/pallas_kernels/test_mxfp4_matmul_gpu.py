@@ -342,7 +342,7 @@ def test_triton_every_candidate_config(name):
 
 @pytest.mark.parametrize("name", [None, *triton.DECODE_CONFIGS])
 def test_triton_decode_configs_all_experts_shape(name):
-  """The default (n64_k64 here: `triton.SHORT_K`) and each decode candidate
+  """The default (n64_k64_w2 here: `triton.SHORT_K`) and each decode candidate
   (`triton.DECODE_CONFIGS`) at k3_small's all-experts W2 shape: 16 rows on each of 64 experts
   but one empty and one of 9, K = N = 512, 3 rows past the groups; fp32 out against the
   reference (bf16 for a config with MXFP8 x, against MXFP8-rounded x)."""
@@ -351,7 +351,7 @@ def test_triton_decode_configs_all_experts_shape(name):
   sizes[5], sizes[40] = 0, 9
   m = sum(sizes)
   if name is None:
-    assert triton.default_config(m, k, n, True) == triton.DECODE_CONFIGS["n64_k64"]
+    assert triton.default_config(m, k, n, True) == triton.DECODE_CONFIGS["n64_k64_w2"]
   cfg = None if name is None else triton.fit(triton.DECODE_CONFIGS[name], k)
   x, packed, scale = make(m + 3, k, n, len(sizes), seed=m)
   fp8 = cfg is not None and cfg.act == "mxfp8"

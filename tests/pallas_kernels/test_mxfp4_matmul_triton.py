@@ -372,7 +372,7 @@ def test_gate_up_lowers_to_one_triton_call_for_h200(n, m, k, f, g):
   with jax.sharding.use_abstract_mesh(mesh):
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   [(name, params, _)] = triton_sass.triton_modules(lowered)
-  cfg = triton.default_config(m, k, f, True)
+  cfg = triton.default_config(m, k, f, True, gate_up=True)
   assert name == "mxfp4_gate_up_triton", name
   assert (params["grid_x"], params["grid_y"]) == (f // cfg.block_n, min(g, m) + 1), params
 
@@ -479,7 +479,7 @@ def test_expert_ffn_lowers_to_one_triton_call_for_h200():
   with jax.sharding.use_abstract_mesh(mesh):
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   [(name, params, _)] = triton_sass.triton_modules(lowered)
-  cfg = triton.default_config(n * top_k, k, f, True)
+  cfg = triton.default_config(n * top_k, k, f, True, gate_up=True)
   assert name == "mxfp4_expert_ffn_triton", name
   assert (params["grid_x"], params["grid_y"]) == (f // cfg.block_n, min(g, n * top_k) + 1)
 
@@ -708,6 +708,10 @@ def test_bad_configs_are_refused():
   assert triton.default_config(2, 3584, 3072, False) == triton.CONFIGS["n32_ptx"]
   assert triton.default_config(1, 512, 6, False).block_n == 2        # 4 does not divide 6
   assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_ptx"]
+  short = triton.DECODE_CONFIGS                 # k3_small's all-experts decode (SHORT_K)
+  assert triton.default_config(1024, 512, 512, True) == short["n64_k64_w2"]
+  assert triton.default_config(1024, 512, 512, True, gate_up=True) == short["n64_k64_s3"]
+  assert triton.default_config(1025, 512, 512, True) == triton.CONFIGS["n64_ptx"]
   assert triton.default_config(2, 512, 48, False).block_n == 16      # 32 does not divide 48
   assert triton.default_config(1, 96, 64, False).block_k == 0        # no block_k divides 96
 
