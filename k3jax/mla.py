@@ -18,6 +18,7 @@ from k3jax import params
 from k3jax.norms import rms_norm
 from pallas_kernels import attention as attention_op
 from pallas_kernels import decode_attention as decode_op
+from pallas_kernels import decode_matmul
 
 
 def expand_latent(lat: jax.Array, w_kv: jax.Array, kr: int, dn: int
@@ -62,6 +63,7 @@ class GatedMLA(nnx.Module):
     if use_output_gate:
       self.g_proj = proj((dim, h, dv), ("embed", "heads", "kv"))
     self.o_proj = proj((h, dv, dim), ("heads", "kv", "embed"), params.fan_in_init((0, 1)))
+    self.prepared_decode_weights = nnx.data(None)   # `prepare_decode`'s, in a decode trace
 
   def _query(self, x):
     w = lambda p: p["kernel"][...].astype(self.dtype)
@@ -76,12 +78,54 @@ class GatedMLA(nnx.Module):
     c = rms_norm(kv_a[..., :self.kr], self.kv_a_layernorm["scale"][...], self.eps)
     return jnp.concatenate([c, kv_a[..., self.kr:]], axis=-1)
 
-  def _output(self, x, o):
-    w = lambda p: p["kernel"][...].astype(self.dtype)
+  def _gate(self, x):
+    return jnp.einsum("btd,dhk->bthk", x, self.g_proj["kernel"][...].astype(self.dtype))
+
+  def _output(self, x, o, z=None):
+    """W_o[sigmoid(z) * o], z = W_g x unless given."""
     if self.use_output_gate:
-      z = jnp.einsum("btd,dhk->bthk", x, w(self.g_proj))
+      z = self._gate(x) if z is None else z
       o = o * jax.nn.sigmoid(z.astype(jnp.float32))
-    return jnp.einsum("bthk,hkd->btd", o.astype(self.dtype), w(self.o_proj))
+    return jnp.einsum("bthk,hkd->btd", o.astype(self.dtype),
+                      self.o_proj["kernel"][...].astype(self.dtype))
+
+  def decode_weights(self) -> jax.Array | None:
+    """W_x [d, q_a | kv_a | g] bf16: the products a cached call takes of its input x, side by
+    side (W_q_a, or W_q without a q LoRA; W_kv_a; W_g with the output gate), or None where the
+    layer computes in another dtype."""
+    if self.dtype != jnp.bfloat16:
+      return None
+    d = self.kv_a_proj_with_mqa["kernel"].shape[0]
+    w = lambda p: p["kernel"][...].astype(self.dtype).reshape(d, -1)
+    q = self.q_a_proj if self.q_lora_rank else self.q_proj
+    gate = [w(self.g_proj)] if self.use_output_gate else []
+    return jnp.concatenate([w(q), w(self.kv_a_proj_with_mqa), *gate], axis=1)
+
+  def prepare_decode(self) -> None:
+    """Computes `decode_weights` once for the cached calls that follow in the same trace (a
+    decode loop calls it before its while loop: one GEMM of x a step in place of three)."""
+    self.prepared_decode_weights = self.decode_weights()
+
+  def decode_inputs(self, x: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """A cached call's products of x [B, T, d]: (q [B, T, H, dn + dr], the latents [B, T, kr +
+    dr] as `latent`, the gate's z [B, T, H, dv] or None). With `prepare_decode`'s W_x (bf16
+    x) the three come from one `pallas_kernels.decode_matmul` product."""
+    x = x.astype(self.dtype)
+    w_x = self.prepared_decode_weights
+    if w_x is None or x.dtype != jnp.bfloat16:
+      return self._query(x), self.latent(x), self._gate(x) if self.use_output_gate else None
+    (b, t, d), h = x.shape, self.num_heads
+    proj = decode_matmul.matmul(x.reshape(b * t, d), w_x).reshape(b, t, -1)
+    nq = self.q_lora_rank or h * (self.dn + self.dr)
+    q, kv_a, z = jnp.split(proj, (nq, nq + self.kr + self.dr), axis=-1)
+    if self.q_lora_rank:
+      qa = rms_norm(q, self.q_a_layernorm["scale"][...], self.eps)
+      q = jnp.einsum("btr,rhk->bthk", qa, self.q_b_proj["kernel"][...].astype(self.dtype))
+    c = rms_norm(kv_a[..., :self.kr], self.kv_a_layernorm["scale"][...], self.eps)
+    lat = jnp.concatenate([c, kv_a[..., self.kr:]], axis=-1)
+    z = z.reshape(b, t, h, self.dv) if self.use_output_gate else None
+    return q.reshape(b, t, h, self.dn + self.dr), lat, z
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array, positions: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
@@ -105,8 +149,8 @@ class GatedMLA(nnx.Module):
           return_max_logit=True, impl=self.attention_impl)
     return self._output(x, o), max_logit
 
-  def decode(self, x: jax.Array, cache: jax.Array, lengths: jax.Array, positions: jax.Array
-             ) -> jax.Array:
+  def decode(self, x: jax.Array, cache: jax.Array, lengths: jax.Array, positions: jax.Array,
+             inputs: tuple[jax.Array, jax.Array | None] | None = None) -> jax.Array:
     """Absorbed MLA over the filled latent cache (MQA with kr+dr = 576-dim keys, kr = 512-dim
     values: the first kr channels of the same rows), `pallas_kernels.decode_attention`.
 
@@ -115,9 +159,11 @@ class GatedMLA(nnx.Module):
     positions: [B, T] the new tokens' positions (each sees the positions <= its own).
     score_h = (W_UK,h^T q_nope,h) . c + q_rope,h . k_rope;  o_h = W_UV,h (sum_s p_s c_s).
     The absorbed query is cast to the cache's dtype (bf16 operands for a bf16 model).
+    inputs: (q, z) of `decode_inputs`, else formed from x.
     """
     x = x.astype(self.dtype)
-    q = self._query(x).astype(jnp.float32)
+    q, z = inputs if inputs is not None else (self._query(x), None)
+    q = q.astype(jnp.float32)
     # W_UK and W_UV sliced from kv_b_proj [kr, H, dn+dv], then each converted on its own, so
     # that each fuses into its product (one fp32 copy of both was a kernel every decode step).
     wkv = self.kv_b_proj["kernel"][...]
@@ -128,4 +174,4 @@ class GatedMLA(nnx.Module):
                                        scale=self.scale, q_positions=positions,
                                        impl=self.decode_attention_impl)
     o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(jnp.float32), w_uv)
-    return self._output(x, o)
+    return self._output(x, o, z)

@@ -200,11 +200,11 @@ class DecoderLayer(nnx.Module):
       return y, {}, new_cache
     # Row b's T latents at its positions (its padding too: later tokens overwrite it, and
     # attention reads only the filled positions < positions[b, 0] + lengths[b]).
+    q, lat, z = self.self_attn.decode_inputs(h)
     latent = jax.vmap(lambda c, new, start: jax.lax.dynamic_update_slice_in_dim(
-        c, new, start, axis=0))(cache["latent"],
-                                self.self_attn.latent(h).astype(cache["latent"].dtype),
+        c, new, start, axis=0))(cache["latent"], lat.astype(cache["latent"].dtype),
                                 positions[:, 0])
-    y = self.self_attn.decode(h, latent, positions[:, 0] + lengths, positions)
+    y = self.self_attn.decode(h, latent, positions[:, 0] + lengths, positions, inputs=(q, z))
     return y, {}, {"latent": latent}
 
   def init_cache(self, batch: int, max_len: int) -> dict:
@@ -478,11 +478,10 @@ class K3ForCausalLM(nnx.Module):
             "layers": [layer.init_cache(batch, max_len) for layer in self.layers]}
 
   def prepare_decode(self) -> None:
-    """Each KDA layer's and MoE's `prepare_decode`: call once before a decode loop, in its
+    """Each token mixer's and MoE's `prepare_decode`: call once before a decode loop, in its
     trace."""
     for layer in self.layers:
-      if layer.kind == "kda":
-        layer.self_attn.prepare_decode()
+      layer.self_attn.prepare_decode()
       if layer.is_moe:
         layer.block_sparse_moe.prepare_decode()
 

@@ -107,10 +107,15 @@ def test_greedy_equals_full_forward_loop(tiny, greedy):
   np.testing.assert_array_equal(greedy, seq)
 
 
-def test_decode_loop_concatenates_no_weights(tiny):
-  """The KDA layers' input projections and conv kernels are concatenated once, before the
-  while loop (`prepare_decode`), not in its body, where XLA on GPUs did not hoist them."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_loop_concatenates_no_weights(tiny, dtype):
+  """The KDA layers' input projections and conv kernels (and in bf16 the MLA layers' W_x and
+  the MoE's W_in / W_out) are concatenated once, before the while loop (`prepare_decode`),
+  not in its body, where XLA on GPUs did not hoist them."""
   model, _ = tiny
+  if dtype == "bfloat16":
+    cfg = config.load(_TINY, {**_SMALL, "model.dtype": dtype, "model.param_dtype": dtype})
+    model = K3ForCausalLM(cfg.model, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   b = 2
   args = (graphdef, state, model.init_cache(b, 8), jnp.zeros((b,), jnp.int32),
@@ -118,6 +123,10 @@ def test_decode_loop_concatenates_no_weights(tiny):
   jaxpr = jax.make_jaxpr(lambda *a: generate._decode(*a, capacity=4), static_argnums=0)(*args)
   kda_layer = next(layer.self_attn for layer in model.layers if layer.kind == "kda")
   weights = {tuple(w.shape) for w in kda_layer.decode_weights()}
+  if dtype == "bfloat16":
+    mla = next(layer for layer in model.layers if layer.kind != "kda")
+    weights |= {tuple(w.shape) for w in (mla.self_attn.decode_weights(),
+                                         *mla.block_sparse_moe.decode_weights())}
 
   def walk(jx, in_loop):
     """(shape, inside the while body) of every concatenation or stack."""

@@ -273,9 +273,10 @@ def test_decode_with_gathered_or_all_experts_equals_sorted():
 
 def test_prepare_decode_outside_a_trace_keeps_the_logits(monkeypatch):
   """`prepare_decode` called eagerly on a bf16 k3_tiny (its KDA layers' input projections
-  concatenated, its MoE layers' five dense products merged into two, which run) gives a
-  cached decode step the unprepared model's logits to bf16 rounding (within two bf16
-  spacings, 2 x 2^-7, of the largest logit) and the same argmax."""
+  concatenated, its MoE layers' five dense products merged into two, its MLA layers' three
+  products of x into one, which run) gives a cached decode step the unprepared model's logits
+  to bf16 rounding (within two bf16 spacings, 2 x 2^-7, of the largest logit) and the same
+  argmax."""
   merged = []
   real = LatentMoE._decode_inputs
   monkeypatch.setattr(LatentMoE, "_decode_inputs",
@@ -291,6 +292,8 @@ def test_prepare_decode_outside_a_trace_keeps_the_logits(monkeypatch):
       model.prepare_decode()
       moe = model.layers[1].block_sparse_moe
       assert moe.prepared_decode_weights is not None
+      assert all(layer.self_attn.prepared_decode_weights is not None
+                 for layer in model.layers)
     outs.append(np.asarray(extend(model, toks[:, 5:6], cache)[0], np.float32))
     assert bool(merged) == prepare
   assert np.abs(outs[1] - outs[0]).max() <= 2 * 2 ** -7 * np.abs(outs[0]).max()
@@ -310,8 +313,9 @@ def test_parameter_paths_follow_hf_names(tiny_model):
 
 
 def test_decode_products_run_through_decode_matmul(monkeypatch):
-  """A decode step's KDA input product and o_proj, and a bf16 MoE's merged W_in / W_out, go
-  through `pallas_kernels.decode_matmul` (whose tier a GPU run may switch)."""
+  """A decode step's KDA input product and o_proj, a bf16 MoE's merged W_in / W_out and a bf16
+  MLA layer's merged W_x go through `pallas_kernels.decode_matmul` (whose tier a GPU run may
+  switch)."""
   from pallas_kernels import decode_matmul
   calls = []
   real = decode_matmul.matmul
@@ -325,7 +329,9 @@ def test_decode_products_run_through_decode_matmul(monkeypatch):
   m = cfg.model
   kda_layers = sum(layer.kind == "kda" for layer in model.layers)
   moe_layers = sum(layer.is_moe for layer in model.layers)
+  mla = [layer.self_attn for layer in model.layers if layer.kind != "kda"]
   hk = m.kda.num_heads * m.kda.head_dim
   assert sum(s == (hk, m.hidden_size) for s in calls) == kda_layers        # o_proj
   assert sum(s[1] == m.hidden_size and s[0] != hk for s in calls) == moe_layers   # W_out
-  assert len(calls) == 2 * kda_layers + 2 * moe_layers, calls
+  assert mla and sum(s == mla[0].decode_weights().shape for s in calls) == len(mla)   # W_x
+  assert len(calls) == 2 * kda_layers + 2 * moe_layers + len(mla), calls

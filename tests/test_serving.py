@@ -111,6 +111,31 @@ def test_mla_decode_reads_only_the_filled_cache(model):
   assert np.all(np.isfinite(filled)) and np.all(np.isnan(whole))
 
 
+@pytest.mark.parametrize("q_lora_rank, gate", [(24, True), (0, False)])
+def test_mla_prepared_decode_inputs_equal_the_separate_products(q_lora_rank, gate):
+  """A bf16 gated MLA layer's cached-call inputs from `prepare_decode`'s one product of x
+  (W_q_a or W_q, W_kv_a and W_g side by side) equal the three separate products (q, the
+  latents, the gate's z) to bf16 rounding; an fp32 layer prepares nothing."""
+  kw = dict(num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, use_output_gate=gate, lora_norm_eps=1e-6)
+  x = jax.random.normal(jax.random.key(2), (3, 2, 64)).astype(jnp.bfloat16)
+  layer = GatedMLA(64, **kw, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  want = layer.decode_inputs(x)
+  layer.prepare_decode()
+  assert layer.prepared_decode_weights.shape == (64, (q_lora_rank or 2 * 24) + 24
+                                                 + (2 * 16 if gate else 0))
+  got = layer.decode_inputs(x)
+  assert (got[2] is None) == (not gate)
+  for g, w in zip(got, want):
+    if w is not None:
+      assert g.shape == w.shape and g.dtype == w.dtype
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                 rtol=2 ** -7, atol=2 ** -7 * float(jnp.abs(w).max()))
+  fp32 = GatedMLA(64, **kw, rngs=nnx.Rngs(0))
+  fp32.prepare_decode()
+  assert fp32.prepared_decode_weights is None
+
+
 # ------------------------------------------------------------------------------ generate
 
 
