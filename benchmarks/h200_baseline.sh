@@ -496,11 +496,17 @@ PY
       # Where k3_small's decode step goes at B 16, 128k with packed experts: one traced loop,
       # its parts ($OUT/prof/hybrid_B16/parts.json, printed in $OUT/decode_kernels.log) and
       # its kernels by HLO op ($OUT/decode_kernels.txt), largest first, and how long the
-      # device waited on the host's launches (the trace slows the launches).
-      timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode $B16_128K ${KERNELS_ARGS:-} \
+      # device waited on the host's launches (the trace slows the launches); the loop's
+      # optimized HLO in $OUT/decode_hlo.txt.gz.
+      rm -rf /tmp/decode_hlo
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/decode_hlo --xla_dump_hlo_as_text" \
+        timeout ${DECODE_KERNELS_S:-150} python3 -m benchmarks.decode $B16_128K ${KERNELS_ARGS:-} \
         --new_tokens=9 \
         --profile_dir=$OUT/prof --out=$OUT/decode_kernels.json 2>&1 \
         | tee $OUT/decode_kernels.log | grep -E "tpot|Error"
+      # The loop's optimized HLO (what each fusion named in the trace holds), gzipped.
+      hlo=$(ls -S /tmp/decode_hlo/*jit__decode*after_optimizations.txt 2>/dev/null | head -1)
+      [ -n "$hlo" ] && gzip -c "$hlo" > $OUT/decode_hlo.txt.gz
       python3 -m benchmarks.trace_summary --trace=$OUT/prof --by_hlo_op --top=700 \
         --launch_gaps=jit__decode > $OUT/decode_kernels.txt 2>&1
       head -8 $OUT/decode_kernels.txt | cut -c1-130
