@@ -109,11 +109,11 @@ class GatedMLA(nnx.Module):
   def decode_inputs(self, x: jax.Array
                     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """A cached call's products of x [B, T, d]: (q [B, T, H, dn + dr], the latents [B, T, kr +
-    dr] as `latent`, the gate's z [B, T, H, dv] or None). With `prepare_decode`'s W_x (bf16
-    x) the three come from one `pallas_kernels.decode_matmul` product."""
+    dr] as `latent`, the gate's z [B, T, H, dv] or None). With `prepare_decode`'s W_x (a bf16
+    layer) the three come from one `pallas_kernels.decode_matmul` product."""
     x = x.astype(self.dtype)
     w_x = self.prepared_decode_weights
-    if w_x is None or x.dtype != jnp.bfloat16:
+    if w_x is None:
       return self._query(x), self.latent(x), self._gate(x) if self.use_output_gate else None
     (b, t, d), h = x.shape, self.num_heads
     proj = decode_matmul.matmul(x.reshape(b * t, d), w_x).reshape(b, t, -1)

@@ -3,10 +3,11 @@
 A program per column block of `block_n` (the last one masked past N; with split_k > 1, one per
 share of K too): it walks its K in steps of `block_k`, each x's [16, block_k] tile (rows past
 M masked to 0) dotted with w's [block_k, block_n] on the MMA into an fp32 [16, block_n]
-accumulator, the K loop pipelined over `num_stages`. At a decode step's shapes (M 16, K 1024, N a few thousand) the column blocks of 32
-are ~130 programs, one wave on an H100 / H200: every SM streams a contiguous slab of w. With
-split_k > 1 each program writes its share's fp32 partial [S, M, N] and XLA sums the S shares
-(deterministic, no atomics; the sum may fuse into the consumer).
+accumulator, the K loop pipelined over `num_stages`. At a decode step's shapes (M 16, K 1024,
+N a few thousand) the column blocks of 32 are ~130 programs, one wave on an H100 / H200: every
+SM streams a contiguous slab of w. With split_k > 1 each program writes its share's fp32
+partial [S, M, N] and XLA sums the S shares (deterministic, no atomics; the sum may fuse into
+the consumer).
 """
 import dataclasses
 import functools

@@ -277,9 +277,9 @@ def default_config(m: int, k: int, n: int, grouped: bool, gate_up: bool = False)
   """The fastest deterministic candidate measured at the K3 expert shapes (H200, 2026-12-03
   and 2026-12-06): "fma_n4_w2_unroll" dense at one row, "n32_ptx" dense at more, "n64_ptx"
   grouped (split-K's atomic adds are not), "n64_k64_w2" grouped at short K and few rows
-  (SHORT_K; "n64_k64_s3" for the fused gate/up, `gate_up`); block_n halved (to 16 at least, 1 for fma) until it
-  divides N, block_k until it divides K (0 if no power of two from 64 does: the call is
-  declined)."""
+  (SHORT_K; "n64_k64_s3" for the fused gate/up, `gate_up`); block_n halved (to 16 at least, 1
+  for fma) until it divides N, block_k until it divides K (0 if no power of two from 64 does:
+  the call is declined)."""
   one_row = not grouped and m == 1
   if grouped and k <= SHORT_K and m <= SHORT_K_MAX_ROWS:
     cfg = DECODE_CONFIGS["n64_k64_s3" if gate_up else "n64_k64_w2"]
