@@ -6,8 +6,8 @@ time per call from an XLA profiler trace with the weights cycled through enough 
 L2 (`common.device_ms_cycling`): "xla" (`jnp.dot`, fp32 sums, bf16 out: what the model runs)
 and "triton:<name>" (the kernel tier in each config of --configs), at the shapes of k3_small's
 decode products (read off the model abstractly: the KDA layers' merged input product and
-o_proj, the MoE's merged W_in / W_out, MLA's merged W_x (q_a | kv_a | g; bf16 models) and
-its q_a and kv_a alone, the LM head). Floor: the weight, x
+o_proj, the MoE's merged W_in / W_out, MLA's merged W_x (q_a | kv_a | g) and absorbed W_qb
+(bf16 models) and its q_a and kv_a alone, the LM head). Floor: the weight, x
 and output bytes at the copy rate measured in the same run.
 
   python3 -m benchmarks.decode_matmul --out=$OUT/decode_matmul_h200.json
@@ -58,9 +58,11 @@ def product_shapes(cfg) -> dict[str, tuple[int, int]]:
   merged = of(lambda m: m.layers[moe].block_sparse_moe.decode_weights())
   if merged is not None:                       # bf16 models (k3_small; not k3_tiny's fp32)
     shapes.update(moe_w_in=merged[0].shape, moe_w_out=merged[1].shape)
-  w_x = of(lambda m: m.layers[mla].self_attn.decode_weights())
-  if w_x is not None:                          # MLA's merged products of x (bf16 models)
-    shapes["mla_w_x"] = w_x.shape
+  mla_w = of(lambda m: m.layers[mla].self_attn.decode_weights())
+  if mla_w is not None:                        # MLA's merged products (bf16 models)
+    shapes["mla_w_x"] = mla_w[0].shape
+    if mla_w[1] is not None:
+      shapes["mla_w_qb"] = mla_w[1].shape      # the absorbed query's
   shapes["mla_kv_a"] = a.kv_a_proj_with_mqa["kernel"].shape
   if hasattr(a, "q_a_proj"):
     shapes["mla_q_a"] = a.q_a_proj["kernel"].shape

@@ -89,43 +89,72 @@ class GatedMLA(nnx.Module):
     return jnp.einsum("bthk,hkd->btd", o.astype(self.dtype),
                       self.o_proj["kernel"][...].astype(self.dtype))
 
-  def decode_weights(self) -> jax.Array | None:
-    """W_x [d, q_a | kv_a | g] bf16: the products a cached call takes of its input x, side by
-    side (W_q_a, or W_q without a q LoRA; W_kv_a; W_g with the output gate), or None where the
-    layer computes in another dtype."""
+  def _w_uk(self) -> jax.Array:
+    """W_UK [kr, H, dn] fp32, sliced from kv_b_proj before its convert (so that the convert
+    fuses into the product)."""
+    return self.kv_b_proj["kernel"][...][..., :self.dn].astype(jnp.float32)
+
+  def _absorb(self, q: jax.Array) -> jax.Array:
+    """q [B, T, H, dn + dr] -> the absorbed query [B, T, H, kr + dr] fp32: [W_UK,h^T q_nope,h |
+    q_rope,h]."""
+    q = q.astype(jnp.float32)
+    q_abs = jnp.einsum("bthn,rhn->bthr", q[..., :self.dn], self._w_uk())
+    return jnp.concatenate([q_abs, q[..., self.dn:]], axis=-1)
+
+  def _absorbed_weight(self, w_q: jax.Array) -> jax.Array:
+    """A query weight [r, H, dn + dr] with W_UK folded in: [r, H (kr + dr)] in the layer's
+    dtype, [W_q,nope W_UK^T | W_q,rope] per head (the product of the weights in fp32)."""
+    w_q = w_q.astype(jnp.float32)
+    nope = jnp.einsum("rhn,khn->rhk", w_q[..., :self.dn], self._w_uk(),
+                      precision=jax.lax.Precision.HIGHEST)
+    w = jnp.concatenate([nope, w_q[..., self.dn:]], axis=-1)
+    return w.astype(self.dtype).reshape(w_q.shape[0], -1)
+
+  def decode_weights(self) -> tuple[jax.Array, jax.Array | None] | None:
+    """(W_x, W_qb) bf16 for a cached call, or None where the layer computes in another dtype.
+    W_x [d, q | kv_a | g]: the products of the input x side by side (W_q_a, or without a q LoRA
+    W_q with W_UK folded in; W_kv_a; W_g with the output gate); W_qb [q_lora, H (kr + dr)]: W_q_b
+    with W_UK folded in (`_absorbed_weight`: the absorbed query in one product), None without a
+    q LoRA."""
     if self.dtype != jnp.bfloat16:
       return None
     d = self.kv_a_proj_with_mqa["kernel"].shape[0]
     w = lambda p: p["kernel"][...].astype(self.dtype).reshape(d, -1)
-    q = self.q_a_proj if self.q_lora_rank else self.q_proj
+    if self.q_lora_rank:
+      q, w_qb = w(self.q_a_proj), self._absorbed_weight(self.q_b_proj["kernel"][...])
+    else:
+      q, w_qb = self._absorbed_weight(self.q_proj["kernel"][...]), None
     gate = [w(self.g_proj)] if self.use_output_gate else []
-    return jnp.concatenate([w(q), w(self.kv_a_proj_with_mqa), *gate], axis=1)
+    return jnp.concatenate([q, w(self.kv_a_proj_with_mqa), *gate], axis=1), w_qb
 
   def prepare_decode(self) -> None:
     """Computes `decode_weights` once for the cached calls that follow in the same trace (a
-    decode loop calls it before its while loop: one GEMM of x a step in place of three)."""
+    decode loop calls it before its while loop: one GEMM of x a step in place of three, and
+    one for the absorbed query in place of two)."""
     self.prepared_decode_weights = self.decode_weights()
 
   def decode_inputs(self, x: jax.Array
                     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """A cached call's products of x [B, T, d]: (q [B, T, H, dn + dr], the latents [B, T, kr +
-    dr] as `latent`, the gate's z [B, T, H, dv] or None). With `prepare_decode`'s W_x (a bf16
-    layer) the three come from one `pallas_kernels.decode_matmul` product."""
+    """A cached call's products of x [B, T, d]: (the absorbed query [B, T, H, kr + dr] as
+    `_absorb` forms it, the latents [B, T, kr + dr] as `latent`, the gate's z [B, T, H, dv] or
+    None). With `prepare_decode`'s weights (a bf16 layer) the three come from one
+    `pallas_kernels.decode_matmul` product (W_x) and the query from one more (W_qb, with a q
+    LoRA), in bf16 with fp32 sums."""
     x = x.astype(self.dtype)
-    w_x = self.prepared_decode_weights
-    if w_x is None:
-      return self._query(x), self.latent(x), self._gate(x) if self.use_output_gate else None
+    if self.prepared_decode_weights is None:
+      z = self._gate(x) if self.use_output_gate else None
+      return self._absorb(self._query(x)), self.latent(x), z
+    w_x, w_qb = self.prepared_decode_weights
     (b, t, d), h = x.shape, self.num_heads
-    proj = decode_matmul.matmul(x.reshape(b * t, d), w_x).reshape(b, t, -1)
-    nq = self.q_lora_rank or h * (self.dn + self.dr)
+    proj = decode_matmul.matmul(x.reshape(b * t, d), w_x)
+    nq = self.q_lora_rank or h * (self.kr + self.dr)
     q, kv_a, z = jnp.split(proj, (nq, nq + self.kr + self.dr), axis=-1)
     if self.q_lora_rank:
-      qa = rms_norm(q, self.q_a_layernorm["scale"][...], self.eps)
-      q = jnp.einsum("btr,rhk->bthk", qa, self.q_b_proj["kernel"][...].astype(self.dtype))
-    c = rms_norm(kv_a[..., :self.kr], self.kv_a_layernorm["scale"][...], self.eps)
-    lat = jnp.concatenate([c, kv_a[..., self.kr:]], axis=-1)
+      q = decode_matmul.matmul(rms_norm(q, self.q_a_layernorm["scale"][...], self.eps), w_qb)
+    c = rms_norm(kv_a[:, :self.kr], self.kv_a_layernorm["scale"][...], self.eps)
+    lat = jnp.concatenate([c, kv_a[:, self.kr:]], axis=-1).reshape(b, t, -1)
     z = z.reshape(b, t, h, self.dv) if self.use_output_gate else None
-    return q.reshape(b, t, h, self.dn + self.dr), lat, z
+    return q.reshape(b, t, h, self.kr + self.dr), lat, z
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array, positions: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
@@ -159,17 +188,13 @@ class GatedMLA(nnx.Module):
     positions: [B, T] the new tokens' positions (each sees the positions <= its own).
     score_h = (W_UK,h^T q_nope,h) . c + q_rope,h . k_rope;  o_h = W_UV,h (sum_s p_s c_s).
     The absorbed query is cast to the cache's dtype (bf16 operands for a bf16 model).
-    inputs: (q, z) of `decode_inputs`, else formed from x.
+    inputs: (absorbed query, z) of `decode_inputs`, else formed from x.
     """
     x = x.astype(self.dtype)
-    q, z = inputs if inputs is not None else (self._query(x), None)
-    q = q.astype(jnp.float32)
-    # W_UK and W_UV sliced from kv_b_proj [kr, H, dn+dv], then each converted on its own, so
-    # that each fuses into its product (one fp32 copy of both was a kernel every decode step).
-    wkv = self.kv_b_proj["kernel"][...]
-    w_uk, w_uv = (w.astype(jnp.float32) for w in (wkv[..., :self.dn], wkv[..., self.dn:]))
-    q_abs = jnp.einsum("bthn,rhn->bthr", q[..., :self.dn], w_uk)
-    q_cat = jnp.concatenate([q_abs, q[..., self.dn:]], axis=-1)
+    q_cat, z = inputs if inputs is not None else (self._absorb(self._query(x)), None)
+    # W_UV sliced from kv_b_proj [kr, H, dn+dv] before its convert, as W_UK (`_w_uk`), so that
+    # each fuses into its product (one fp32 copy of both was a kernel every decode step).
+    w_uv = self.kv_b_proj["kernel"][...][..., self.dn:].astype(jnp.float32)
     o_lat = decode_op.decode_attention(q_cat.astype(cache.dtype), cache, lengths, v_dim=self.kr,
                                        scale=self.scale, q_positions=positions,
                                        impl=self.decode_attention_impl)

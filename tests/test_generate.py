@@ -110,8 +110,8 @@ def test_greedy_equals_full_forward_loop(tiny, greedy):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_loop_concatenates_no_weights(tiny, dtype):
   """The KDA layers' input projections and conv kernels (and in bf16 the MLA layers' W_x and
-  the MoE's W_in / W_out) are concatenated once, before the while loop (`prepare_decode`),
-  not in its body, where XLA on GPUs did not hoist them."""
+  absorbed W_qb, the MoE's W_in / W_out) are made once, before the while loop
+  (`prepare_decode`), not in its body, where XLA on GPUs did not hoist them."""
   model, _ = tiny
   if dtype == "bfloat16":
     cfg = config.load(_TINY, {**_SMALL, "model.dtype": dtype, "model.param_dtype": dtype})
@@ -125,8 +125,10 @@ def test_decode_loop_concatenates_no_weights(tiny, dtype):
   weights = {tuple(w.shape) for w in kda_layer.decode_weights()}
   if dtype == "bfloat16":
     mla = next(layer for layer in model.layers if layer.kind != "kda")
-    weights |= {tuple(w.shape) for w in (mla.self_attn.decode_weights(),
-                                         *mla.block_sparse_moe.decode_weights())}
+    a = mla.self_attn
+    w_x, w_qb = a.decode_weights()
+    weights |= {tuple(w.shape) for w in (w_x, *mla.block_sparse_moe.decode_weights())}
+    weights.add((w_qb.shape[0], a.num_heads, a.kr + a.dr))   # made [r, H, kr + dr], flattened
 
   def walk(jx, in_loop):
     """(shape, inside the while body) of every concatenation or stack."""

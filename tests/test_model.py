@@ -274,9 +274,9 @@ def test_decode_with_gathered_or_all_experts_equals_sorted():
 def test_prepare_decode_outside_a_trace_keeps_the_logits(monkeypatch):
   """`prepare_decode` called eagerly on a bf16 k3_tiny (its KDA layers' input projections
   concatenated, its MoE layers' five dense products merged into two, its MLA layers' three
-  products of x into one, which run) gives a cached decode step the unprepared model's logits
-  to bf16 rounding (within two bf16 spacings, 2 x 2^-7, of the largest logit) and the same
-  argmax."""
+  products of x into one and W_UK folded into the query's, which run) gives a cached decode
+  step the unprepared model's logits to bf16 rounding (within two bf16 spacings, 2 x 2^-7, of
+  the largest logit) and the same argmax."""
   merged = []
   real = LatentMoE._decode_inputs
   monkeypatch.setattr(LatentMoE, "_decode_inputs",
@@ -314,8 +314,8 @@ def test_parameter_paths_follow_hf_names(tiny_model):
 
 def test_decode_products_run_through_decode_matmul(monkeypatch):
   """A decode step's KDA input product and o_proj, a bf16 MoE's merged W_in / W_out and a bf16
-  MLA layer's merged W_x go through `pallas_kernels.decode_matmul` (whose tier a GPU run may
-  switch)."""
+  MLA layer's merged W_x and absorbed W_qb go through `pallas_kernels.decode_matmul` (whose
+  tier a GPU run may switch)."""
   from pallas_kernels import decode_matmul
   calls = []
   real = decode_matmul.matmul
@@ -333,5 +333,7 @@ def test_decode_products_run_through_decode_matmul(monkeypatch):
   hk = m.kda.num_heads * m.kda.head_dim
   assert sum(s == (hk, m.hidden_size) for s in calls) == kda_layers        # o_proj
   assert sum(s[1] == m.hidden_size and s[0] != hk for s in calls) == moe_layers   # W_out
-  assert mla and sum(s == mla[0].decode_weights().shape for s in calls) == len(mla)   # W_x
-  assert len(calls) == 2 * kda_layers + 2 * moe_layers + len(mla), calls
+  w_x, w_qb = mla[0].decode_weights()
+  for w in (w_x, w_qb):                                 # W_x and the absorbed query's W_qb
+    assert mla and sum(s == w.shape for s in calls) == len(mla), calls
+  assert len(calls) == 2 * kda_layers + 2 * moe_layers + 2 * len(mla), calls

@@ -113,24 +113,33 @@ def test_mla_decode_reads_only_the_filled_cache(model):
 
 @pytest.mark.parametrize("q_lora_rank, gate", [(24, True), (0, False)])
 def test_mla_prepared_decode_inputs_equal_the_separate_products(q_lora_rank, gate):
-  """A bf16 gated MLA layer's cached-call inputs from `prepare_decode`'s one product of x
-  (W_q_a or W_q, W_kv_a and W_g side by side) equal the three separate products (q, the
-  latents, the gate's z) to bf16 rounding; an fp32 layer prepares nothing."""
+  """A bf16 gated MLA layer's cached-call inputs from `prepare_decode`'s weights (W_q_a or the
+  absorbed W_q, W_kv_a and W_g side by side; W_UK folded into the query's weight) equal the
+  separate products (the absorbed query in fp32, the latents, the gate's z) to bf16 rounding,
+  and decode the same; an fp32 layer prepares nothing."""
   kw = dict(num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=16, use_output_gate=gate, lora_norm_eps=1e-6)
   x = jax.random.normal(jax.random.key(2), (3, 2, 64)).astype(jnp.bfloat16)
   layer = GatedMLA(64, **kw, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  cache = jax.random.normal(jax.random.key(3), (3, 8, 24)).astype(jnp.bfloat16)
+  args = (cache, jnp.array([3, 5, 8], jnp.int32), jnp.array([[1, 2], [3, 4], [6, 7]], jnp.int32))
   want = layer.decode_inputs(x)
+  want_y = layer.decode(x, *args)
   layer.prepare_decode()
-  assert layer.prepared_decode_weights.shape == (64, (q_lora_rank or 2 * 24) + 24
-                                                 + (2 * 16 if gate else 0))
+  w_x, w_qb = layer.prepared_decode_weights
+  assert w_x.shape == (64, (q_lora_rank or 2 * 24) + 24 + (2 * 16 if gate else 0))
+  assert (w_qb is None) == (not q_lora_rank)
   got = layer.decode_inputs(x)
+  assert want[0].shape == (3, 2, 2, 24) and want[0].dtype == jnp.float32
   assert (got[2] is None) == (not gate)
   for g, w in zip(got, want):
     if w is not None:
-      assert g.shape == w.shape and g.dtype == w.dtype
+      assert g.shape == w.shape
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                  rtol=2 ** -7, atol=2 ** -7 * float(jnp.abs(w).max()))
+  y = layer.decode(x, *args, inputs=(got[0], got[2]))
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y, np.float32),
+                             rtol=2 ** -6, atol=2 ** -6 * float(jnp.abs(want_y).max()))
   fp32 = GatedMLA(64, **kw, rngs=nnx.Rngs(0))
   fp32.prepare_decode()
   assert fp32.prepared_decode_weights is None
