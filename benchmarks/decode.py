@@ -126,7 +126,8 @@ _KDA_DECODE = _switch("kda_decode", kda_decode_api, "TRITON_IS_DEFAULT", "triton
 _DECODE_MATMUL = _switch("decode_matmul", decode_matmul_api, "TRITON_IS_DEFAULT", "triton",
                          "xla", "A decode step's dense products through "
                          "pallas_kernels.decode_matmul (KDA's input product and o_proj, the "
-                         "MoE's merged W_in / W_out; recorded as decode_matmul)")
+                         "MoE's merged W_in / W_out, MLA's W_x and absorbed W_qb; recorded as "
+                         "decode_matmul)")
 _KDA_DECODE_CONFIG = flags.DEFINE_enum(
     "kda_decode_config", "", ("", *kda_decode_triton.CONFIGS),
     "The triton tier's tile and warps (\"\": its DEFAULT; else sets pallas_kernels.kda_decode."

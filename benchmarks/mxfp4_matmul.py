@@ -160,13 +160,11 @@ def variant_configs(m: int, k: int, n: int, grouped: bool, toy: bool,
   return out
 
 
-CANDIDATES = {**triton.CONFIGS, **triton.DECODE_CONFIGS}
-
-
 def triton_configs(k: int, names: list[str]) -> dict:
   """Row name -> the Triton tier's candidate Config for each name of `--triton_configs`, block_k
   fitted to K (a name of `triton.CONFIGS` or `triton.DECODE_CONFIGS`)."""
-  return {f"mxfp4_triton_{name}": triton.fit(CANDIDATES[name], k) for name in names}
+  return {f"mxfp4_triton_{name}": triton.fit(triton.ALL_CONFIGS[name], k)
+          for name in names}
 
 
 def rounds_x_to_mxfp8(name: str, m: int, k: int, n: int, grouped: bool, tconfigs: dict) -> bool:
@@ -346,9 +344,9 @@ def main(argv):
   toy = _TOY.value
   if unknown := set(_VARIANTS.value) - set(VARIANTS):
     raise app.UsageError(f"--variants: unknown {sorted(unknown)}, choose from {list(VARIANTS)}")
-  if unknown := set(_TRITON_CONFIGS.value) - set(CANDIDATES):
+  if unknown := set(_TRITON_CONFIGS.value) - set(triton.ALL_CONFIGS):
     raise app.UsageError(f"--triton_configs: unknown {sorted(unknown)}, choose from "
-                         f"{list(CANDIDATES)}")
+                         f"{list(triton.ALL_CONFIGS)}")
   peak, peak_source = flops.peak_flops_per_device()
   copy = None if toy else common.copy_tbps()
   print(f"device {common.device_name()}: peak {peak / 1e12:.0f} TFLOP/s ({peak_source}), copy "

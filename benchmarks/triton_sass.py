@@ -149,7 +149,7 @@ def main(argv):
     import triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     raise app.UsageError("needs the `triton` package: pip install triton==3.6.0") from None
-  configs = {**mx_triton.CONFIGS, **mx_triton.DECODE_CONFIGS}
+  configs = mx_triton.ALL_CONFIGS
   if unknown := set(_CONFIGS.value) - set(configs) - {"default"}:
     raise app.UsageError(f"--configs: unknown {sorted(unknown)}, choose from "
                          f"{['default', *configs]}")

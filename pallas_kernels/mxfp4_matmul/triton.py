@@ -240,6 +240,8 @@ DECODE_CONFIGS = {
     # to MXFP8 moves the output (2.9e-2 relative L2 from the bf16-x reference in the CPU toy run).
     "swap64_fp8_k256": Config(block_n=64, block_k=256, swap=True, dequant="ptx", act="mxfp8"),
 }
+# Every named candidate (the names are distinct), for the benchmarks' --configs flags.
+ALL_CONFIGS = {**CONFIGS, **DECODE_CONFIGS}
 
 
 def is_gpu() -> bool:

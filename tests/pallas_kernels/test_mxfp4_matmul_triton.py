@@ -708,6 +708,7 @@ def test_bad_configs_are_refused():
   assert triton.default_config(2, 3584, 3072, False) == triton.CONFIGS["n32_ptx"]
   assert triton.default_config(1, 512, 6, False).block_n == 2        # 4 does not divide 6
   assert triton.default_config(16, 3072, 3584, True) == triton.CONFIGS["n64_ptx"]
+  assert len(triton.ALL_CONFIGS) == len(triton.CONFIGS) + len(triton.DECODE_CONFIGS)
   short = triton.DECODE_CONFIGS                 # k3_small's all-experts decode (SHORT_K)
   assert triton.default_config(1024, 512, 512, True) == short["n64_k64_w2"]
   assert triton.default_config(1024, 512, 512, True, gate_up=True) == short["n64_k64_s3"]
